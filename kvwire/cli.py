@@ -1,0 +1,22 @@
+"""The `kvwire` command: a thin root. Each subsystem owns its commands in its own module and adds
+exactly one line below, so parallel work never conflicts here. Keep sub-modules cheap to import
+(heavy imports inside command bodies): every `kvwire ...` call imports all of them."""
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="KV-cache events on Kafka.")
+
+from kvwire.broker.cli import app as _kafka  # noqa: E402
+
+app.add_typer(_kafka, name="kafka")
+# app.add_typer(<demo app>, name="demo")
+# app.add_typer(<index app>, name="index")
+# app.add_typer(<bridge app>, name="bridge")
+# app.add_typer(<replay app>, name="replay")
+from kvwire.tail import app as _tail  # noqa: E402
+app.add_typer(_tail, name="tail")
+from kvwire.schemas_cli import app as _schemas  # noqa: E402
+app.add_typer(_schemas, name="schemas")
+# app.add_typer(<bench app>, name="bench")
+
+if __name__ == "__main__":
+    app()
