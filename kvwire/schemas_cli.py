@@ -1,0 +1,102 @@
+"""`kvwire schemas [--out DIR]`: the shipped contract, as other languages need it.
+
+Fingerprints are computed here from the .avsc text itself, not taken from the codec, so this
+command is an independent check of what the codec frames records with. The hex is the one Java's
+``SchemaNormalization.parsingFingerprint64`` prints (``%016x`` of the long); the wire header carries
+the same long little-endian (Avro single-object encoding), shown as ``header``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(help="Print or export every kvwire schema version with its fingerprint.")
+
+_FILE = re.compile(r"event_batch\.v(\d+)\.avsc")
+
+
+@dataclass(frozen=True)
+class ShippedSchema:
+    version: int
+    file: str
+    text: str
+    canonical: str
+    fingerprint: int  # CRC-64-AVRO as an unsigned 64-bit number
+
+    @property
+    def fingerprint_hex(self) -> str:
+        return f"{self.fingerprint:016x}"
+
+    @property
+    def header(self) -> bytes:
+        return b"\xc3\x01" + self.fingerprint.to_bytes(8, "little")
+
+    @property
+    def name(self) -> str:
+        return f"dev.kvwire.EventBatch/v{self.version}"
+
+
+def shipped() -> list[ShippedSchema]:
+    """Every version in schemas/avro, oldest first."""
+    from fastavro.schema import fingerprint, to_parsing_canonical_form
+
+    out = []
+    for entry in resources.files("schemas").joinpath("avro").iterdir():
+        m = _FILE.fullmatch(entry.name)
+        if not m:
+            continue
+        text = entry.read_text()
+        canonical = to_parsing_canonical_form(json.loads(text))
+        # fastavro hex-encodes the fingerprint's little-endian bytes (as Java's byte[] API does).
+        fp = int.from_bytes(bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO")), "little")
+        out.append(ShippedSchema(int(m.group(1)), entry.name, text, canonical, fp))
+    return sorted(out, key=lambda s: s.version)
+
+
+def fingerprints_doc(schemas: list[ShippedSchema]) -> dict:
+    return {
+        "algorithm": "CRC-64-AVRO",
+        "encoding": "Avro single-object: C3 01 + fingerprint (8 bytes, little-endian) + body",
+        "fingerprint_format": "hex of the unsigned 64-bit value, as Java's parsingFingerprint64 with %016x",
+        "current": schemas[-1].version,
+        "versions": [
+            {
+                "version": s.version,
+                "name": s.name,
+                "file": s.file,
+                "fingerprint": s.fingerprint_hex,
+                "header": s.header.hex(),
+            }
+            for s in schemas
+        ],
+    }
+
+
+@app.callback(invoke_without_command=True)
+def schemas(
+    out: Optional[Path] = typer.Option(
+        None, "--out", help="write DIR/event_batch.vN.avsc and DIR/fingerprints.json instead of printing"),
+) -> None:
+    """Every schema version with its CRC-64-AVRO fingerprint (newest is the current writer)."""
+    found = shipped()
+    if out is None:
+        current = found[-1].version
+        for s in found:
+            mark = "  (current)" if s.version == current else ""
+            typer.echo(f"v{s.version}  {s.name}  fingerprint={s.fingerprint_hex}  header={s.header.hex()}{mark}")
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for s in found:
+        (out / s.file).write_text(s.text)
+    (out / "fingerprints.json").write_text(json.dumps(fingerprints_doc(found), indent=2) + "\n")
+    typer.echo(f"wrote {len(found)} schemas and fingerprints.json to {out}")
+
+
+if __name__ == "__main__":
+    app()

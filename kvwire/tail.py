@@ -1,0 +1,316 @@
+"""`kvwire tail`: read a kvwire topic as a human (or jq) would, without touching the system.
+
+It never joins a consumer group: partitions are assigned and positions set by hand, so tailing a
+production topic commits nothing and triggers no rebalance of the real consumers. Malformed records
+are printed with their partition, offset and decode error instead of stopping the tail: they are
+exactly what an operator looks for.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import IO, Any, Optional
+
+import typer
+
+app = typer.Typer(help="Print decoded kvwire batches from a topic (no consumer group).")
+
+_EPOCH0 = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_U64 = (1 << 64) - 1
+_EVENT_LABEL = {"BlockStored": "STORED", "BlockRemoved": "REMOVED", "AllBlocksCleared": "CLEARED"}
+
+
+@dataclass(frozen=True)
+class TailOptions:
+    bootstrap_servers: str
+    topic: str
+    start: str = "latest"  # "earliest", "latest" or an ISO-8601 time
+    worker: Optional[str] = None
+    partition: Optional[int] = None
+    as_json: bool = False
+    max_records: Optional[int] = None
+    timeout_s: Optional[float] = None  # stop after this long without a new record
+
+
+class TailError(Exception):
+    """A usage or setup problem (unknown topic, bad --from): reported, never a traceback."""
+
+
+# ---------------------------------------------------------------- start position
+
+
+def parse_start(value: str) -> str | int:
+    """'earliest' / 'latest', or an ISO time -> epoch milliseconds (no offset given = UTC)."""
+    v = value.strip().lower()
+    if v in ("earliest", "latest"):
+        return v
+    try:
+        t = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise TailError(f"--from must be earliest, latest or an ISO-8601 time, not {value!r}") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=timezone.utc)
+    return int(t.timestamp() * 1000)
+
+
+# ---------------------------------------------------------------- worker filter
+
+
+def worker_matches(wanted: Optional[str], instance_id: str, dp_rank: int) -> bool:
+    """`--worker` is an instance_id (all its DP ranks) or `instance_id/dp_rank` (the Kafka key)."""
+    return wanted is None or wanted == instance_id or wanted == f"{instance_id}/{dp_rank}"
+
+
+def key_matches(wanted: Optional[str], key: Optional[bytes]) -> bool:
+    # A malformed record has no decoded worker; its key is the only attribution there is.
+    if wanted is None:
+        return True
+    if key is None:
+        return False
+    k = key.decode("utf-8", "replace")
+    return wanted == k or wanted == k.rsplit("/", 1)[0]
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _iso_us(ts_us: int) -> str:
+    try:
+        return (_EPOCH0 + timedelta(microseconds=ts_us)).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except (OverflowError, ValueError):  # a producer clock gone wild must not kill the tail
+        return f"ts_us={ts_us}"
+
+
+def _hash_text(h) -> str:
+    return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
+
+
+def _short(h) -> str:
+    s = _hash_text(h)
+    return s if len(s) <= 20 else s[:16] + "…"
+
+
+def _json_value(v: Any) -> Any:
+    # Bytes are tagged so a digest and a string extra key stay distinguishable in JSON.
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return {"bytes": bytes(v).hex()}
+    if isinstance(v, (tuple, list)):
+        return [_json_value(x) for x in v]
+    return v
+
+
+def _hashes_json(hashes) -> Any:
+    return [h.hex() if isinstance(h, (bytes, bytearray)) else h for h in hashes]
+
+
+def event_json(e) -> dict:
+    name = type(e).__name__
+    if name == "AllBlocksCleared":
+        return {"type": name}
+    d: dict[str, Any] = {"type": name}
+    # Declared order reads best; msgspec Structs list it in __struct_fields__ (__slots__ is sorted).
+    for field in getattr(type(e), "__struct_fields__", None) or type(e).__slots__:
+        v = getattr(e, field)
+        if field == "block_hashes":
+            d[field] = _hashes_json(v)
+        elif field == "parent_block_hash":
+            d[field] = None if v is None else _hashes_json([v])[0]
+        elif field == "token_ids":
+            d[field] = v.tolist()
+        else:
+            d[field] = _json_value(v)
+    return d
+
+
+def batch_json(batch) -> dict:
+    w = batch.worker
+    return {
+        "worker": {"instance_id": w.instance_id, "dp_rank": w.dp_rank, "tp_rank": w.tp_rank,
+                   "tp_size": w.tp_size, "model": w.model},
+        "epoch": batch.epoch,
+        "seq": batch.seq,
+        "ts_us": batch.ts_us,
+        "engine_ts": batch.engine_ts,
+        "reset": batch.reset,
+        "gap": batch.gap,
+        "source": batch.source,
+        "heartbeat": batch.is_heartbeat,
+        "events": [event_json(e) for e in batch.events],
+    }
+
+
+def _event_text(e) -> str:
+    label = _EVENT_LABEL.get(type(e).__name__, type(e).__name__)
+    if label == "CLEARED":
+        return label
+    hashes = e.block_hashes
+    parts = [label, f"n={len(hashes)}", e.medium or "-"]
+    if hashes:
+        parts.append("first=" + _short(hashes[0]) + ("…" if len(hashes) > 1 else ""))
+    if label == "STORED":
+        parts.append(f"bs={e.block_size}")
+        if e.parent_block_hash is not None:
+            parts.append("parent=" + _short(e.parent_block_hash))
+        if e.lora_name is not None or e.lora_id is not None:
+            parts.append(f"lora={e.lora_name if e.lora_name is not None else e.lora_id}")
+    if e.group_idx is not None:
+        parts.append(f"group={e.group_idx}")
+    return " ".join(parts)
+
+
+def batch_lines(partition: int, offset: int, batch) -> list[str]:
+    """One line per event; an event-less batch still gets one line (heartbeat/reset/gap)."""
+    w = batch.worker
+    # Eight hex digits tell incarnations apart at a glance; --json has the full value.
+    epoch = f"{batch.epoch & _U64:016x}"[:8]
+    head = (f"{_iso_us(batch.ts_us)} {partition}@{offset} {w.instance_id}/{w.dp_rank} "
+            f"tp{w.tp_rank}/{w.tp_size} epoch={epoch} seq={batch.seq}")
+    flags = ("" if not batch.reset else " reset") + ("" if not batch.gap else f" gap={batch.gap}")
+    if not batch.events:
+        what = "HEARTBEAT" if batch.is_heartbeat else ("RESET" if batch.reset else "GAP")
+        return [f"{head} {what}{flags}"]
+    return [f"{head} {_event_text(e)}{flags}" for e in batch.events]
+
+
+def malformed_line(partition: int, offset: int, ts_ms: Optional[int], key: Optional[bytes], error: str) -> str:
+    when = _iso_us(ts_ms * 1000) if ts_ms is not None and ts_ms >= 0 else "-"
+    k = "-" if key is None else key.decode("utf-8", "replace")
+    return f"{when} {partition}@{offset} MALFORMED key={k} error={error}"
+
+
+def render(rec, opts: TailOptions) -> list[str]:
+    """Lines to print for one Kafka record ([] when filtered out). Never raises."""
+    from schemas.codec import DecodeError, decode, writer_version
+
+    base = {"partition": rec.partition, "offset": rec.offset, "timestamp_ms": rec.timestamp,
+            "key": None if rec.key is None else rec.key.decode("utf-8", "replace")}
+    try:
+        batch = decode(rec.value)
+        schema_version = writer_version(rec.value).version
+    except DecodeError as e:
+        error = e.reason
+    except Exception as e:  # decode promises DecodeError only; a tail still must not die on a bug
+        error = f"{type(e).__name__}: {e}"
+    else:
+        if not worker_matches(opts.worker, batch.worker.instance_id, batch.worker.dp_rank):
+            return []
+        try:
+            if opts.as_json:
+                return [json.dumps({**base, "schema_version": schema_version, "batch": batch_json(batch)})]
+            return batch_lines(rec.partition, rec.offset, batch)
+        except Exception as e:
+            error = f"cannot render: {type(e).__name__}: {e}"
+    if not key_matches(opts.worker, rec.key):
+        return []
+    if opts.as_json:
+        return [json.dumps({**base, "error": error,
+                            "size": None if rec.value is None else len(rec.value)})]
+    return [malformed_line(rec.partition, rec.offset, rec.timestamp, rec.key, error)]
+
+
+# ---------------------------------------------------------------- consuming
+
+
+async def _position(consumer, tps, start: str | int) -> None:
+    if start == "earliest":
+        await consumer.seek_to_beginning(*tps)
+    elif start == "latest":
+        await consumer.seek_to_end(*tps)
+    else:
+        found = await consumer.offsets_for_times({tp: start for tp in tps})
+        late = []
+        for tp in tps:
+            ot = found.get(tp)
+            if ot is None:  # nothing at or after that time yet: only new records
+                late.append(tp)
+            else:
+                consumer.seek(tp, ot.offset)
+        if late:
+            await consumer.seek_to_end(*late)
+
+
+async def run_tail(opts: TailOptions, out: IO[str]) -> int:
+    """Prints records until --max-records or --timeout (idle); returns how many were printed."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    start = parse_start(opts.start)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=opts.bootstrap_servers,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest" if start == "earliest" else "latest",
+        client_id="kvwire-tail",
+    )
+    await consumer.start()
+    try:
+        # A group-less consumer has no topic metadata yet, and consumer.topics() fetches it without
+        # keeping it; one explicit fetch also answers "no such topic" at once instead of retrying.
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(opts.topic)
+        if not partitions:
+            raise TailError(f"topic {opts.topic!r} does not exist on {opts.bootstrap_servers}")
+        if opts.partition is not None:
+            if opts.partition not in partitions:
+                raise TailError(f"topic {opts.topic!r} has no partition {opts.partition}")
+            partitions = {opts.partition}
+        tps = [TopicPartition(opts.topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        await _position(consumer, tps, start)
+
+        loop = asyncio.get_running_loop()
+        printed = 0
+        idle_until = None if opts.timeout_s is None else loop.time() + opts.timeout_s
+        while opts.max_records is None or printed < opts.max_records:
+            wait = 1.0 if idle_until is None else max(0.0, min(1.0, idle_until - loop.time()))
+            got = await consumer.getmany(timeout_ms=int(wait * 1000), max_records=500)
+            for records in got.values():
+                for rec in records:
+                    lines = render(rec, opts)
+                    if not lines:
+                        continue
+                    out.write("\n".join(lines) + "\n")
+                    printed += 1
+                    if opts.max_records is not None and printed >= opts.max_records:
+                        break
+                if opts.max_records is not None and printed >= opts.max_records:
+                    break
+            out.flush()
+            if got and opts.timeout_s is not None:
+                idle_until = loop.time() + opts.timeout_s
+            elif idle_until is not None and loop.time() >= idle_until:
+                break
+        return printed
+    finally:
+        await consumer.stop()
+
+
+@app.callback(invoke_without_command=True)
+def tail(
+    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
+    topic: str = typer.Option(..., "--topic"),
+    start: str = typer.Option("latest", "--from", help="earliest, latest, or an ISO-8601 time: start at each partition's first record stamped at or after it (UTC if no offset)"),
+    worker: Optional[str] = typer.Option(None, "--worker", help="instance_id, or instance_id/dp_rank"),
+    partition: Optional[int] = typer.Option(None, "--partition"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per record"),
+    max_records: Optional[int] = typer.Option(None, "--max-records", min=1),
+    timeout: Optional[float] = typer.Option(None, "--timeout", help="stop after S seconds without a record"),
+) -> None:
+    """Print decoded kvwire batches: one line per event, or JSON lines with --json."""
+    opts = TailOptions(bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout)
+    try:
+        parse_start(start)  # fail on a bad --from before connecting
+        asyncio.run(run_tail(opts, sys.stdout))
+    except TailError as e:
+        typer.echo(f"kvwire tail: {e}", err=True)
+        raise typer.Exit(2)
+    except BrokenPipeError:  # `kvwire tail ... | head` is normal use
+        raise typer.Exit(0)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+
+
+if __name__ == "__main__":
+    app()
