@@ -95,7 +95,9 @@ def _load_versions() -> dict[int, SchemaVersion]:
             continue
         raw = json.loads(entry.read_text())
         canonical = to_parsing_canonical_form(raw)
-        fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))[::-1]
+        # fastavro's hex already lists the fingerprint's little-endian bytes,
+        # which is the order single-object encoding puts on the wire.
+        fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
         out[int(m.group(1))] = SchemaVersion(
             int(m.group(1)), raw, fastavro.parse_schema(raw), canonical, fp
         )

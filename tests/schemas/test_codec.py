@@ -176,7 +176,9 @@ def test_v2_writer_read_by_plain_fastavro_with_v1_reader_schema():
 
 def test_fingerprints_are_crc64_avro_of_canonical_form():
     for sv in codec.VERSIONS.values():
-        assert sv.fingerprint_hex == fastavro.schema.fingerprint(sv.canonical, "CRC-64-AVRO")
+        # wire order (little-endian) is fastavro's hex; Java's %016x is its reverse
+        assert sv.fingerprint.hex() == fastavro.schema.fingerprint(sv.canonical, "CRC-64-AVRO")
+        assert sv.fingerprint_hex == sv.fingerprint[::-1].hex()
     assert len({sv.fingerprint for sv in codec.VERSIONS.values()}) == len(codec.VERSIONS)
 
 
