@@ -1,0 +1,575 @@
+"""Never-blocking Kafka publisher for KV-cache events.
+
+An engine thread calls :meth:`RankStream.publish`; it only appends to a bounded
+deque and returns. One background thread runs an asyncio loop with one
+idempotent ``AIOKafkaProducer`` and does everything that costs: numbering,
+encoding, sending, retrying, heartbeats. Loss is never hidden: whatever cannot
+be sent (full buffer, cluster unreachable, unencodable input) is counted and
+the next record of that rank carries it as ``gap``.
+
+Ordering: one pump coroutine appends records to the producer in queue order;
+aiokafka keeps one in-flight request per partition and the idempotent producer
+keeps order across its retries, so a rank's records land in seq order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import logging
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from schemas.codec import CONTENT_TYPE, CURRENT, encode
+from schemas.events import EventBatch, KVEvent, WorkerId
+
+from .config import PublisherConfig
+from .partitioner import default_partition
+
+__all__ = ["KafkaPublisher", "PublisherConfig", "RankStream", "StreamStats", "AckInfo"]
+
+log = logging.getLogger("kvwire.producer")
+
+HEADERS = [
+    ("content-type", CONTENT_TYPE.encode()),
+    ("schema", CURRENT.name.encode()),
+    ("fingerprint", CURRENT.fingerprint_hex.encode()),
+]
+# aiokafka's default max_request_size; a bigger record would be refused by the producer anyway,
+# better to count it here than to let it fail after a seq was spent on it.
+_MAX_RECORD = 1024 * 1024 - 1024
+
+
+def _new_epoch_id() -> int:
+    # 63 bits: positive and safe as a signed Java/Avro long. secrets, not random: forked engine
+    # processes must not share an incarnation.
+    return secrets.randbits(63)
+
+
+class _Epoch:
+    __slots__ = ("id", "base_lost")
+
+    def __init__(self, base_lost: int) -> None:
+        self.id = _new_epoch_id()
+        # Losses before the epoch began are moot: the reset record replaces the rank's state.
+        self.base_lost = base_lost
+
+
+@dataclass(frozen=True)
+class AckInfo:
+    worker: WorkerId
+    epoch: int
+    seq: int
+    gap: int
+    partition: int
+    offset: int
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    worker: WorkerId
+    source: str
+    epoch: int
+    published: int  # publish() calls that returned True
+    sent: int  # records handed to the producer (seq numbers spent, heartbeats included)
+    acked: int
+    dropped: int  # publish() calls that returned False
+    lost: int  # accepted but never sent: unencodable, refused, or cut off by close()
+    failed: int  # sent but refused by the broker for good (leaves a seq hole, carried as gap)
+    gaps_reported: int  # report_gap() totals
+    gap_sent: int  # sum of `gap` over sent records
+    queued: int
+    next_seq: int
+
+
+class RankStream:
+    """One TP rank's stream: its own epoch and contiguous seq. Get one from
+    :meth:`KafkaPublisher.stream`."""
+
+    def __init__(self, pub: "KafkaPublisher", worker: WorkerId, source: str) -> None:
+        self._pub = pub
+        self.worker = worker
+        self.source = source
+        self.key = worker.kafka_key()
+        self._lock = threading.Lock()
+        # Engine side, under _lock. _lost counts every batch lost upstream of the queue (drops
+        # and report_gap); each queued item snapshots it so the loss lands in the gap of the
+        # first record *after* it in stream order, not of one queued before it.
+        self._lost = 0
+        self._epoch = _Epoch(0)
+        self._enq = 0
+        self._last_ts_us = 0
+        self.published = 0
+        self.dropped = 0
+        self.gaps_reported = 0
+        self._garbage_logged = False
+        # Loop side only.
+        self._sent_epoch: _Epoch | None = None
+        self._next_seq = 0
+        self._accounted = 0
+        self._carry = 0  # losses found in the loop, owed to the next record
+        self._reset_due = False
+        self._taken = 0
+        self._partition: int | None = None
+        self.sent = 0
+        self.acked = 0
+        self.lost = 0
+        self.failed = 0
+        self.gap_sent = 0
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch.id
+
+    def publish(self, events: Sequence[KVEvent], engine_ts: float | None = None) -> bool:
+        """Hand a batch over; True if it will be sent. Never blocks, never raises."""
+        try:
+            ts = time.time_ns() // 1000
+            pub = self._pub
+            try:
+                events = tuple(events)
+            except Exception:
+                self._drop_garbage(events)
+                return False
+            with self._lock:
+                if not pub._accepting or len(pub._q) >= pub._cap:
+                    self._lost += 1
+                    self.dropped += 1
+                    return False
+                self._last_ts_us = ts
+                self.published += 1
+                self._enq += 1
+                pub._q.append((self, events, engine_ts, ts, self._epoch, self._lost))
+            if pub._idle:
+                pub._wake()
+            return True
+        except Exception:  # the engine thread must never see our bugs
+            log.exception("publish() failed internally; batch dropped")
+            try:
+                with self._lock:
+                    self._lost += 1
+                    self.dropped += 1
+            except Exception:
+                pass
+            return False
+
+    def _drop_garbage(self, events: object) -> None:
+        with self._lock:
+            self._lost += 1
+            self.dropped += 1
+        if not self._garbage_logged:
+            self._garbage_logged = True
+            log.warning("%s: publish() got %s, not a sequence of events; dropped (logged once)",
+                        self.worker.rank, type(events).__name__)
+
+    def new_epoch(self) -> int:
+        """The engine restarted: the next record opens a fresh epoch (reset, seq 0).
+        Returns the new epoch id."""
+        try:
+            pub = self._pub
+            ts = time.time_ns() // 1000
+            with self._lock:
+                self._epoch = ep = _Epoch(self._lost)
+                if not pub._closing:
+                    # Past the bound on purpose: one per restart, and the reset record is what
+                    # tells consumers to drop the old incarnation's blocks.
+                    self._enq += 1
+                    self._last_ts_us = ts
+                    pub._q.append((self, (), None, ts, ep, self._lost))
+            pub._wake()
+            return ep.id
+        except Exception:
+            log.exception("new_epoch() failed internally")
+            return self._epoch.id
+
+    def report_gap(self, n: int = 1) -> None:
+        """n batches were lost upstream (e.g. a ZMQ seq gap); the next record carries them."""
+        try:
+            n = int(n)
+            if n <= 0:
+                return
+            with self._lock:
+                self._lost += n
+                self.gaps_reported += n
+        except Exception:
+            log.warning("report_gap(%r) ignored: not a count", n)
+
+    def stats(self) -> StreamStats:
+        return StreamStats(
+            self.worker, self.source, self._epoch.id, self.published, self.sent, self.acked,
+            self.dropped, self.lost, self.failed, self.gaps_reported, self.gap_sent,
+            self._enq - self._taken, self._next_seq)
+
+
+class KafkaPublisher:
+    """One background thread, one asyncio loop, one idempotent producer, many rank streams."""
+
+    def __init__(
+        self,
+        config: PublisherConfig | None = None,
+        *,
+        on_ack: Callable[[AckInfo], None] | None = None,
+    ) -> None:
+        self.config = cfg = config or PublisherConfig()
+        self._on_ack = on_ack
+        self._q: collections.deque = collections.deque()
+        self._cap = cfg.queue_size
+        self._streams: list[RankStream] = []
+        self._accepting = True
+        self._closing = False
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._idle = False
+        self._unreachable = False
+        self._started = False
+        self._producer = None
+        self._num_partitions: int | None = None
+        self._unacked = 0
+        self._acked_total = 0
+        self._tasks: list[asyncio.Task] = []
+        self._deadline = float("inf")
+        self._loop = asyncio.new_event_loop()
+        self._wake_ev: asyncio.Event | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(target=self._thread_main, args=(ready,),
+                                        name="kvwire-publisher", daemon=True)
+        self._thread.start()
+        ready.wait()
+        atexit.register(self.close)
+
+    # ---------------------------------------------------------------- public API
+
+    def stream(self, worker: WorkerId, source: str = "") -> RankStream:
+        st = RankStream(self, worker, source)
+        with self._close_lock:
+            self._streams.append(st)
+        # Announce the epoch at once: consumers drop what this rank held before, even if the
+        # engine stays idle.
+        ep = st._epoch
+        with st._lock:
+            st._enq += 1
+            st._last_ts_us = time.time_ns() // 1000
+            self._q.append((st, (), None, st._last_ts_us, ep, 0))
+        self._wake()
+        return st
+
+    def stats(self) -> list[StreamStats]:
+        with self._close_lock:
+            return [s.stats() for s in self._streams]
+
+    @property
+    def unreachable(self) -> bool:
+        return self._unreachable
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush within the deadline, then stop the thread. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        atexit.unregister(self.close)
+        budget = self.config.close_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + max(0.0, budget)
+        self._accepting = False
+        self._closing = True
+        try:
+            fut = asyncio.run_coroutine_threadsafe(self._shutdown(deadline), self._loop)
+            fut.result(timeout=max(0.0, deadline - time.monotonic()) + 10.0)
+        except Exception:
+            log.exception("publisher shutdown did not finish cleanly")
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10.0)
+
+    def __enter__(self) -> "KafkaPublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- loop thread
+
+    def _wake(self) -> None:
+        self._idle = False
+        ev = self._wake_ev
+        if ev is not None:
+            try:
+                self._loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # loop already closed
+                pass
+
+    def _thread_main(self, ready: threading.Event) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def setup() -> None:
+            self._wake_ev = asyncio.Event()
+            self._progress_at = time.monotonic()
+            self._tasks = [
+                asyncio.create_task(self._pump(), name="kvwire-pump"),
+                asyncio.create_task(self._heartbeats(), name="kvwire-heartbeats"),
+                asyncio.create_task(self._watchdog(), name="kvwire-watchdog"),
+            ]
+
+        self._loop.run_until_complete(setup())
+        ready.set()
+        try:
+            self._loop.run_forever()
+        finally:
+            try:
+                pending = asyncio.all_tasks(self._loop)
+                for t in pending:
+                    t.cancel()
+                if pending:
+                    self._loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+            finally:
+                self._loop.close()
+
+    async def _start_producer(self) -> None:
+        from aiokafka import AIOKafkaProducer
+
+        cfg = self.config
+        failures = 0
+        while not self._closing:
+            producer = AIOKafkaProducer(
+                bootstrap_servers=cfg.bootstrap_servers,
+                enable_idempotence=True,
+                linger_ms=cfg.linger_ms,
+                max_batch_size=cfg.max_batch_size,
+                compression_type=cfg.compression_type,
+                **cfg.client_options,
+            )
+            try:
+                await producer.start()
+                await self._ensure_topic()
+                parts = await producer.partitions_for(cfg.topic)
+                self._num_partitions = len(parts)
+                self._producer = producer
+                self._started = True
+                log.info("publisher connected to %s, topic %s (%d partitions)",
+                         cfg.bootstrap_servers, cfg.topic, len(parts))
+                return
+            except Exception as e:
+                failures += 1
+                # Once loudly, then quietly: the watchdog reports the outage itself.
+                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
+                        "Kafka producer start failed (%s: %s); retrying", type(e).__name__, e)
+                try:
+                    await asyncio.wait_for(producer.stop(), 5)
+                except Exception:
+                    pass
+                await asyncio.sleep(cfg.retry_backoff_s)
+
+    async def _ensure_topic(self) -> None:
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        cfg = self.config
+        opts = {k: v for k, v in cfg.client_options.items()
+                if k.startswith(("security_", "sasl_", "ssl_")) or k in ("client_id",)}
+        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, **opts)
+        await admin.start()
+        try:
+            if cfg.topic in await admin.list_topics():
+                return
+            resp = await admin.create_topics(
+                [NewTopic(cfg.topic, cfg.partitions, cfg.replication_factor)], timeout_ms=30000)
+            # create_topics reports errors in the response; 36 = TOPIC_ALREADY_EXISTS (a race).
+            for t in resp.topic_errors:
+                if t[1] not in (0, 36):
+                    raise RuntimeError(f"create_topics({cfg.topic}) failed: error {t[1]} {t[2:]}")
+        finally:
+            await admin.close()
+
+    async def _pump(self) -> None:
+        await self._start_producer()
+        if not self._started:
+            return  # closed before Kafka ever answered; _shutdown counts the queue as lost
+        q = self._q
+        ev = self._wake_ev
+        poll, deep = self.config.poll_interval_s, self.config.sleep_after_idle_s
+        idle_since = None
+        while True:
+            if not q:
+                if self._closing:
+                    return
+                now = time.monotonic()
+                if idle_since is None:
+                    idle_since = now
+                if now - idle_since < deep:
+                    await asyncio.sleep(poll)
+                    continue
+                self._idle = True
+                if not q:  # re-check after raising the flag: publish() appends, then reads it
+                    await ev.wait()
+                ev.clear()
+                self._idle = False
+                idle_since = None
+                continue
+            idle_since = None
+            # Peek, pop only once handled: the head still counts against the bound meanwhile.
+            item = q[0]
+            await self._send_item(item)
+            q.popleft()
+            item[0]._taken += 1
+
+    async def _send_item(self, item: tuple) -> None:
+        st, events, engine_ts, ts_us, epoch, lost_snap = item
+        if epoch is not st._sent_epoch:
+            st._sent_epoch = epoch
+            st._next_seq = 0
+            st._accounted = epoch.base_lost
+            st._carry = 0
+            st._reset_due = True
+        gap = lost_snap - st._accounted + st._carry
+        try:
+            value = encode(EventBatch(st.worker, epoch.id, st._next_seq, ts_us, events,
+                                      engine_ts, st._reset_due, gap, st.source))
+            if len(value) > _MAX_RECORD:
+                raise ValueError(f"record of {len(value)} bytes exceeds {_MAX_RECORD}")
+        except Exception as e:
+            self._lose(st, lost_snap, gap, f"unencodable batch ({type(e).__name__}: {e})")
+            return
+        if st._partition is None:
+            cfg = self.config
+            st._partition = (cfg.partition if cfg.partition is not None
+                             else default_partition(st.key, self._num_partitions))
+        fut = await self._append(value, st, ts_us)
+        if fut is None:
+            self._lose(st, lost_snap, gap, "producer refused the record")
+            return
+        seq = st._next_seq
+        st._next_seq += 1
+        st._reset_due = False
+        st._accounted = lost_snap
+        st._carry = 0
+        st.sent += 1
+        st.gap_sent += gap
+        self._unacked += 1
+        fut.add_done_callback(lambda f, st=st, e=epoch.id, s=seq, g=gap: self._delivered(f, st, e, s, g))
+
+    async def _append(self, value: bytes, st: RankStream, ts_us: int):
+        """Appends to the producer; retries what is retriable until close() gives up on it."""
+        from aiokafka.errors import KafkaError, KafkaTimeoutError
+
+        cfg = self.config
+        while True:
+            try:
+                return await self._producer.send(
+                    cfg.topic, value, key=st.key, partition=st._partition,
+                    timestamp_ms=ts_us // 1000, headers=HEADERS)
+            except (KafkaTimeoutError, KafkaError) as e:
+                if not (isinstance(e, KafkaTimeoutError) or getattr(e, "retriable", False)):
+                    log.error("%s: record refused: %s: %s", st.worker.rank, type(e).__name__, e)
+                    return None
+                if self._closing and time.monotonic() > self._deadline:
+                    return None
+                await asyncio.sleep(cfg.retry_backoff_s)
+            except Exception as e:
+                log.error("%s: record refused: %s: %s", st.worker.rank, type(e).__name__, e)
+                return None
+
+    def _lose(self, st: RankStream, lost_snap: int, gap: int, why: str) -> None:
+        # The record's own loss plus the gap it would have carried move to the next record;
+        # seq and the reset flag are not spent, so seq stays contiguous.
+        st.lost += 1
+        st._accounted = lost_snap
+        st._carry = gap + 1
+        log.warning("%s: batch lost: %s", st.worker.rank, why)
+
+    def _delivered(self, fut: asyncio.Future, st: RankStream, epoch: int, seq: int, gap: int) -> None:
+        self._unacked -= 1
+        if fut.cancelled() or fut.exception() is not None:
+            # Only non-retriable broker errors get here (idempotent batches never expire while a
+            # leader is known). Later records may already be out: a seq hole, which the next
+            # record's gap also owns up to.
+            st.failed += 1
+            st._carry += 1
+            log.error("%s: record epoch=%d seq=%d failed: %r", st.worker.rank, epoch, seq,
+                      None if fut.cancelled() else fut.exception())
+            return
+        md = fut.result()
+        st.acked += 1
+        self._acked_total += 1
+        if self._on_ack is not None:
+            try:
+                self._on_ack(AckInfo(st.worker, epoch, seq, gap, md.partition, md.offset))
+            except Exception:
+                log.exception("on_ack hook failed")
+
+    async def _heartbeats(self) -> None:
+        interval_us = int(self.config.heartbeat_interval_s * 1e6)
+        tick = min(self.config.heartbeat_interval_s / 4, 1.0)
+        while True:
+            await asyncio.sleep(tick)
+            if self._unreachable or self._closing:
+                continue
+            now = time.time_ns() // 1000
+            added = False
+            for st in list(self._streams):
+                if now - st._last_ts_us < interval_us or st._enq != st._taken:
+                    continue
+                with st._lock:
+                    st._enq += 1
+                    st._last_ts_us = now
+                    self._q.append((st, (), None, now, st._epoch, st._lost))
+                added = True
+            if added:
+                self._wake_ev.set()
+
+    async def _watchdog(self) -> None:
+        # Unreachable = work waiting and no acknowledgement for unreachable_timeout_s. Records
+        # already accepted stay queued (bounded) and go out when the cluster is back.
+        timeout = self.config.unreachable_timeout_s
+        seen = -1
+        while True:
+            await asyncio.sleep(min(0.1, timeout / 4))
+            now = time.monotonic()
+            busy = bool(self._q) or self._unacked > 0 or not self._started
+            if not busy or self._acked_total != seen:
+                seen = self._acked_total
+                self._progress_at = now
+            stalled = busy and now - self._progress_at > timeout
+            if stalled != self._unreachable:
+                self._unreachable = stalled
+                if stalled:
+                    log.error("Kafka unreachable for %.1fs: dropping new batches", timeout)
+                else:
+                    log.warning("Kafka reachable again: accepting batches")
+            self._accepting = not stalled and not self._closing
+
+    async def _shutdown(self, deadline: float) -> None:
+        self._deadline = deadline
+        self._accepting = False
+        self._closing = True
+        self._wake_ev.set()
+        pump = self._tasks[0]
+        remaining = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+        try:
+            await asyncio.wait_for(asyncio.shield(pump), remaining())
+        except (asyncio.TimeoutError, Exception):
+            pump.cancel()
+            await asyncio.gather(pump, return_exceptions=True)
+        # Whatever is still queued could not be sent in time: count it, there is no next record.
+        while self._q:
+            st = self._q.popleft()[0]
+            st._taken += 1
+            st.lost += 1
+        producer = self._producer
+        if producer is not None:
+            try:
+                await asyncio.wait_for(producer.flush(), remaining())
+            except (asyncio.TimeoutError, Exception):
+                log.error("close(): %d records unacknowledged at the deadline", self._unacked)
+                # aiokafka's stop() waits for every pending batch forever; fail them instead.
+                from aiokafka.errors import KafkaTimeoutError
+
+                producer._message_accumulator.fail_all(KafkaTimeoutError())
+            try:
+                await asyncio.wait_for(producer.stop(), max(remaining(), 2.0))
+            except (asyncio.TimeoutError, Exception):
+                log.exception("producer.stop() did not finish")
+        for t in self._tasks[1:]:
+            t.cancel()
