@@ -1,0 +1,270 @@
+"""PrefixIndex against the brute-force oracle (tests/oracle.py), plus the cases
+worth naming: TP aggregation, refcounts, orphans, media, block sizes,
+engine-hash mode, clear/drop."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.index import MalformedEvent, PrefixIndex
+from consumer.keys import prompt_keys
+from oracle import Oracle
+from schemas.events import BlockRemoved, WorkerId, stored
+
+A = WorkerId("a", 0)
+B0, B1 = WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2)
+C = WorkerId("c", 1)
+TOKS = list(range(1000, 1064))
+
+
+def eh(seq, upto, bs):
+    """A vLLM-like engine hash: chained over the prefix, unrelated to our keys."""
+    return hash((tuple(seq[:upto]), bs, "engine")) & 0xFFFFFFFFFFFF
+
+
+def ev(seq, bs, a, b, medium="GPU", parent=True, **kw):
+    hs = [eh(seq, (i + 1) * bs, bs) for i in range(a, b)]
+    p = eh(seq, a * bs, bs) if (a and parent) else None
+    return stored(hs, seq[a * bs : b * bs], bs, parent_block_hash=p, medium=medium, **kw)
+
+
+def rm(seq, bs, a, b, medium="GPU"):
+    return BlockRemoved(tuple(eh(seq, (i + 1) * bs, bs) for i in range(a, b)), medium=medium)
+
+
+def both(*ops):
+    ix, orc = PrefixIndex(), Oracle()
+    for name, *args in ops:
+        getattr(ix, name)(*args)
+        getattr(orc, name)(*args)
+    return ix, orc
+
+
+def same(ix, orc, queries=()):
+    assert ix.holder_blocks() == orc.holder_blocks()
+    assert len(ix) == len(orc)
+    assert ix.workers() == orc.workers()
+    for q in queries:
+        assert ix.score(q) == orc.score(q)
+
+
+def test_scores_prefix_and_best_first():
+    ix, orc = both(("store", A, ev(TOKS, 16, 0, 4)), ("store", C, ev(TOKS, 16, 0, 2)))
+    s = ix.score(TOKS)
+    assert [(x.instance_id, x.matched_tokens, x.by_medium, x.score) for x in s] == [("a", 64, {"GPU": 64}, 64.0), ("c", 32, {"GPU": 32}, 32.0)]
+    assert ix.score(TOKS[:40])[0].matched_tokens == 32  # partial block ignored
+    assert ix.score([1] + TOKS[1:]) == []
+    assert [x.instance_id for x in ix.score(TOKS, workers=[("c", 1)])] == ["c"]
+    same(ix, orc, [TOKS, TOKS[:20]])
+
+
+def test_tp_counts_only_blocks_all_ranks_hold_whatever_the_batches():
+    ix, orc = both(("store", B0, ev(TOKS, 16, 0, 4)), ("store", B1, ev(TOKS, 16, 0, 1)))
+    assert ix.score(TOKS)[0].matched_tokens == 16
+    for e in (ev(TOKS, 16, 1, 2), ev(TOKS, 16, 2, 4)):
+        ix.store(B1, e)
+        orc.store(B1, e)
+    assert ix.score(TOKS)[0].matched_tokens == 64 and len(ix) == 4
+    ix.remove(B0, rm(TOKS, 16, 3, 4))
+    orc.remove(B0, rm(TOKS, 16, 3, 4))
+    assert ix.score(TOKS)[0].matched_tokens == 48
+    same(ix, orc, [TOKS])
+
+
+def test_duplicate_stores_are_refcounted_and_unknown_removes_counted():
+    ix, orc = both(("store", A, ev(TOKS, 16, 0, 2)), ("store", A, ev(TOKS, 16, 0, 2)), ("remove", A, rm(TOKS, 16, 0, 2)))
+    assert ix.score(TOKS)[0].matched_tokens == 32
+    ix.remove(A, rm(TOKS, 16, 0, 2))
+    ix.remove(A, rm(TOKS, 16, 0, 2))
+    assert ix.score(TOKS) == [] and len(ix) == 0
+    st = ix.workers()[("a", 0)]
+    assert (st.duplicate_stores, st.unknown_removes) == (2, 2)
+
+
+def test_unknown_parent_is_an_orphan_never_a_false_match_and_stays_removable():
+    ix, orc = both(("store", A, ev(TOKS, 16, 2, 4)))
+    assert len(ix) == 2 and ix.workers()[("a", 0)].orphans == 2
+    assert ix.score(TOKS) == []  # blocks 2..3 alone must not claim the prefix
+    ix.store(A, ev(TOKS, 16, 0, 2))
+    orc.store(A, ev(TOKS, 16, 0, 2))
+    assert ix.score(TOKS)[0].matched_tokens == 32  # orphans are not re-keyed
+    same(ix, orc, [TOKS])
+    ix.remove(A, rm(TOKS, 16, 2, 4))
+    assert ix.workers()[("a", 0)].orphans == 0 and len(ix) == 2
+    # A child of an orphan is an orphan too; a parent on another medium or rank resolves.
+    ix.store(A, ev(TOKS, 16, 3, 4))
+    ix.store(A, ev(TOKS, 16, 2, 3, medium="CPU"))
+    assert ix.workers()[("a", 0)].orphans == 1
+    ix.store(A, ev(TOKS, 16, 3, 4, medium="CPU"))
+    assert ix.workers()[("a", 0)].orphans == 1
+
+
+def test_parent_on_another_rank_of_the_worker_resolves():
+    ix, orc = both(("store", B0, ev(TOKS, 16, 0, 2)), ("store", B1, ev(TOKS, 16, 0, 1)), ("store", B1, ev(TOKS, 16, 1, 2)))
+    assert ix.workers()[("b", 0)].orphans == 0 and ix.score(TOKS)[0].matched_tokens == 32
+    same(ix, orc, [TOKS])
+
+
+def test_media_weights_and_by_medium():
+    ix, orc = both(("store", A, ev(TOKS, 16, 0, 2)), ("store", A, ev(TOKS, 16, 0, 4, medium="cpu")), ("store", C, ev(TOKS, 16, 0, 3, medium="DISK")))
+    s = ix.score(TOKS)
+    a = next(x for x in s if x.instance_id == "a")
+    assert a.matched_tokens == 64 and a.by_medium == {"GPU": 32, "CPU": 64}
+    assert a.score == pytest.approx(32 * 1.0 + 32 * 0.8)
+    c = next(x for x in s if x.instance_id == "c")
+    assert c.score == pytest.approx(48 * 0.5)  # unknown medium: default weight
+    assert ix.score(TOKS, weights={"DISK": 2.0})[0].instance_id == "c"
+    same(ix, orc, [TOKS])
+
+
+def test_block_sizes_side_by_side_each_worker_gets_its_best():
+    long = TOKS * 8  # 512 tokens
+    ix, orc = both(("store", A, ev(long, 16, 0, 4)), ("store", A, ev(long, 256, 0, 2, medium="CPU")), ("store", C, ev(long, 16, 0, 8)))
+    s = {x.instance_id: x for x in ix.score(long)}
+    assert s["a"].matched_tokens == 512 and s["a"].by_medium == {"GPU": 64, "CPU": 512}
+    assert s["c"].matched_tokens == 128
+    assert ix.score(long, block_size=16)[0].instance_id == "c"
+    assert ix.block_sizes() == [16, 256]
+    same(ix, orc, [long, long[:300]])
+
+
+def test_engine_hash_mode():
+    e = stored([11, 12, 13], [], 0, parent_block_hash=10, medium="CPU")
+    ix, orc = both(("store", A, e))
+    assert ix.score(TOKS) == []
+    assert [(x.matched_tokens, x.by_medium) for x in ix.score_engine_hashes([11, 12, 99], block_size=16)] == [(32, {"CPU": 32})]
+    assert ix.score_engine_hashes([99, 11]) == []
+    assert ix.score_engine_hashes([11, 12, 13]) == orc.score_engine_hashes([11, 12, 13])
+    # A token-mode child of an engine-mode parent is an orphan.
+    ix.store(A, stored([14], TOKS[:16], 16, parent_block_hash=13, medium="CPU"))
+    assert ix.workers()[("a", 0)].orphans == 1
+
+
+def test_clear_and_drop():
+    ix, orc = both(("store", A, ev(TOKS, 16, 0, 4)), ("store", B0, ev(TOKS, 16, 0, 4)), ("store", B1, ev(TOKS, 16, 0, 4)), ("remove", A, BlockRemoved((12345,))))
+    for op in (("clear", A), ("drop_rank", B1)):
+        getattr(ix, op[0])(*op[1:])
+        getattr(orc, op[0])(*op[1:])
+        same(ix, orc, [TOKS])
+    assert ix.workers()[("a", 0)].unknown_removes == 1  # counters survive a clear
+    assert len(ix) == 0 and ix.workers()[("b", 0)].ranks == 1
+    ix.drop_worker(("b", 0))
+    assert ("b", 0) not in ix.workers()
+    ix.store(B0, ev(TOKS, 16, 0, 4))
+    assert len(ix) == 0  # tp 2: one rank is not enough
+    ix.store(B1, ev(TOKS, 16, 0, 4))
+    assert len(ix) == 4
+
+
+def test_malformed_event_is_a_typed_error_and_applies_nothing():
+    ix = PrefixIndex()
+    with pytest.raises(MalformedEvent):
+        ix.store(A, stored([1, 2], TOKS[:17], 16))
+    assert len(ix) == 0 and ix.workers() == {} and ix.block_sizes() == []
+
+
+def test_tables_grow_and_shrink_with_many_blocks():
+    rng = random.Random(3)
+    ix, orc = PrefixIndex(), Oracle()
+    seqs = [[rng.randrange(50_000) for _ in range(1024)] for _ in range(6)]
+    ranks = [WorkerId(f"w{i}", 0) for i in range(4)] + [B0, B1]
+    for i, s in enumerate(seqs):
+        for r in ranks[i % 3 :]:
+            e = ev(s, 16, 0, 64)
+            ix.store(r, e)
+            orc.store(r, e)
+    same(ix, orc, [s[:500] for s in seqs])
+    big = ix.nbytes()
+    for r in ranks:
+        ix.clear(r)
+        orc.clear(r)
+    same(ix, orc, [seqs[0]])
+    assert ix.nbytes() < big and len(ix) == 0
+
+
+def test_tp_size_change_recounts():
+    ix, orc = both(("store", B0, ev(TOKS, 16, 0, 4)))
+    assert len(ix) == 0
+    solo = WorkerId("b", 0, 0, 1)
+    ix.store(solo, ev(TOKS, 16, 0, 1))
+    orc.store(solo, ev(TOKS, 16, 0, 1))
+    assert len(ix) == 4
+    same(ix, orc, [TOKS])
+
+
+def test_query_keys_match_event_keys():
+    ix = PrefixIndex()
+    ix.store(A, ev(TOKS, 16, 0, 4, lora_name="ad", extra_keys=[("ad",)] * 4))
+    assert ix.score(TOKS) == []
+    assert ix.score(TOKS, lora_name="ad")[0].matched_tokens == 64
+    assert len(prompt_keys(TOKS, 16, lora_name="ad")) == 4
+
+
+# ---------------------------------------------------------------- property test
+
+RANKS = [A, B0, B1, C, WorkerId("d", 0, 0, 3), WorkerId("d", 0, 1, 3), WorkerId("d", 0, 2, 3)]
+MEDIA = ["GPU", "cpu", "CPU", "STORAGE", "DISK", None]
+BS = [4, 8]
+
+
+@st.composite
+def scenario(draw):
+    seqs = draw(st.lists(st.lists(st.integers(0, 2), min_size=32, max_size=32), min_size=2, max_size=3))
+    n = draw(st.integers(1, 40))
+    ops = []
+    for _ in range(n):
+        kind = draw(st.sampled_from(["store"] * 6 + ["remove"] * 3 + ["junk", "engine", "clear", "drop_rank", "drop_worker"]))
+        r = draw(st.sampled_from(RANKS))
+        s = draw(st.integers(0, len(seqs) - 1))
+        bs = draw(st.sampled_from(BS))
+        nb = 32 // bs
+        a = draw(st.integers(0, nb - 1))
+        b = draw(st.integers(a + 1, nb))
+        m = draw(st.sampled_from(MEDIA))
+        if kind == "store":
+            parent = draw(st.sampled_from([True, True, True, False]))
+            g = draw(st.sampled_from([None, None, 1]))
+            ops.append(("store", r, ev(seqs[s], bs, a, b, m, parent, group_idx=g)))
+        elif kind == "remove":
+            ops.append(("remove", r, rm(seqs[s], bs, a, b, m)))
+        elif kind == "junk":
+            ops.append(("remove", r, BlockRemoved((draw(st.integers(0, 3)),), medium=m)))
+        elif kind == "engine":
+            hs = draw(st.lists(st.integers(0, 5), min_size=1, max_size=4))
+            ops.append(("store", r, stored(hs, [], 0, parent_block_hash=draw(st.sampled_from([None, 0, 1])), medium=m)))
+        elif kind == "drop_worker":
+            ops.append(("drop_worker", r.worker))
+        else:
+            ops.append((kind, r))
+    queries = []
+    for _ in range(draw(st.integers(1, 4))):
+        s = seqs[draw(st.integers(0, len(seqs) - 1))]
+        q = s[: draw(st.integers(0, 32))]
+        if draw(st.booleans()):
+            q = q + draw(st.lists(st.integers(0, 2), max_size=8))
+        queries.append(q)
+    weights = draw(st.sampled_from([None, {"CPU": 1.5}, {"GPU": 0.1, "DISK": 3.0}]))
+    subset = draw(st.sampled_from([None, [("a", 0), ("b", 0)], [("d", 0)]]))
+    return ops, queries, weights, subset
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario())
+def test_index_equals_oracle(sc):
+    ops, queries, weights, subset = sc
+    ix, orc = PrefixIndex(), Oracle()
+    for i, (name, *args) in enumerate(ops):
+        getattr(ix, name)(*args)
+        getattr(orc, name)(*args)
+        if i % 8 == 7:
+            assert ix.holder_blocks() == orc.holder_blocks()
+    same(ix, orc)
+    for q in queries:
+        for bs in (None, 4, 8):
+            assert ix.score(q, block_size=bs, weights=weights, workers=subset) == orc.score(q, block_size=bs, weights=weights, workers=subset)
+    hs = [0, 1, 2, 3]
+    assert ix.score_engine_hashes(hs, weights=weights) == orc.score_engine_hashes(hs, weights=weights)

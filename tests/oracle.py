@@ -1,0 +1,222 @@
+"""Brute-force reference model of ``consumer.index.PrefixIndex``.
+
+Plain dicts, no incremental counters: every answer is recomputed from the raw
+per-(rank, medium, group) engine-hash entries, so it is slow and obviously
+right. Block keys are chained here with the ``xxhash`` package, one call per
+block, independently of the numba XXH3 in ``consumer.keys``; only the seed
+definitions (context, orphan root, namespaces) are shared.
+
+Semantics mirrored (see consumer/index.py's docstring): refcounted duplicate
+stores that keep their first key, unknown removals counted, TP aggregation
+(a worker holds a key on a medium when >= tp_size of its ranks do), parent
+resolution order (own table, this rank's other tables, then the worker's other
+ranks, in creation order; engine-hash entries skipped), orphans, engine-hash
+mode, several block sizes, weighted scores.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats, normalize_medium
+from consumer.keys import ENGINE_NS, ROOT, context_seed, canonical, engine_hash_u64, normalize_extra, orphan_root
+
+M64 = (1 << 64) - 1
+
+
+def chain(tokens, bs: int, parent: int, lora_name=None, extra_keys=None, n: int | None = None) -> list[int]:
+    n = len(tokens) // bs if n is None else n
+    base = context_seed(bs, lora_name)
+    keys, key = [], parent
+    for i in range(n):
+        e = normalize_extra(extra_keys[i], lora_name) if extra_keys is not None and i < len(extra_keys) else None
+        ctx = base if e is None else xxhash.xxh3_64_intdigest(canonical(e), seed=base)
+        data = b"".join(int(t).to_bytes(4, "little") for t in tokens[i * bs : (i + 1) * bs])
+        key = xxhash.xxh3_64_intdigest(data, seed=(key ^ ctx) & M64)
+        keys.append(key)
+    return keys
+
+
+class _Entry:
+    __slots__ = ("key", "ref", "orphan", "engine")
+
+    def __init__(self, key, orphan, engine):
+        self.key, self.ref, self.orphan, self.engine = key, 1, orphan, engine
+
+
+class Oracle:
+    def __init__(self, weights=None, default_weight: float = 0.5):
+        self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
+        self.default_weight = default_weight
+        self.tp: dict[tuple, int] = {}
+        # worker -> tp_rank -> (medium, group) -> {engine hash u64: _Entry}
+        self.ranks: dict[tuple, dict[int, dict[tuple, dict[int, _Entry]]]] = {}
+        # counters per (worker, tp_rank, medium, group); survive clear, not drop
+        self.unknown: dict[tuple, int] = {}
+        self.dups: dict[tuple, int] = {}
+        self.block_sizes: set[int] = set()
+
+    def _tables(self, rank, medium, group):
+        w = rank.worker
+        self.tp[w] = max(1, rank.tp_size)
+        t = self.ranks.setdefault(w, {}).setdefault(rank.tp_rank, {})
+        k = (normalize_medium(medium), 0 if group is None else int(group))
+        return t.setdefault(k, {}), (w, rank.tp_rank) + k
+
+    def store(self, rank, ev) -> None:
+        n = len(ev.block_hashes)
+        if n == 0:
+            return
+        engine = ev.block_size <= 0 or len(ev.token_ids) == 0
+        if not engine and len(ev.token_ids) != ev.block_size * n:
+            raise MalformedEvent("token count")
+        if not engine:
+            self.block_sizes.add(ev.block_size)
+        table, cid = self._tables(rank, ev.medium, ev.group_idx)
+        ehs = [engine_hash_u64(h) for h in ev.block_hashes]
+        if engine:
+            keys, orphan = [h ^ ENGINE_NS for h in ehs], False
+        else:
+            parent, orphan = ROOT, False
+            if ev.parent_block_hash is not None:
+                parent, orphan = self._parent(rank, table, engine_hash_u64(ev.parent_block_hash))
+            keys = chain(list(ev.token_ids), ev.block_size, parent, ev.lora_name, ev.extra_keys, n)
+        for eh, key in zip(ehs, keys):
+            e = table.get(eh)
+            if e is not None:
+                e.ref += 1
+                self.dups[cid] = self.dups.get(cid, 0) + 1
+            else:
+                table[eh] = _Entry(key, orphan, engine)
+
+    def _parent(self, rank, own, peh):
+        e = own.get(peh)
+        if e is not None and not e.engine:
+            return e.key, e.orphan
+        ranks = self.ranks[rank.worker]
+        order = [rank.tp_rank] + [r for r in ranks if r != rank.tp_rank]
+        for r in order:
+            for t in ranks.get(r, {}).values():
+                if t is own:
+                    continue
+                e = t.get(peh)
+                if e is not None and not e.engine:
+                    return e.key, e.orphan
+        return orphan_root(peh), True
+
+    def remove(self, rank, ev) -> None:
+        if not ev.block_hashes:
+            return
+        table, cid = self._tables(rank, ev.medium, ev.group_idx)
+        for h in ev.block_hashes:
+            eh = engine_hash_u64(h)
+            e = table.get(eh)
+            if e is None:
+                self.unknown[cid] = self.unknown.get(cid, 0) + 1
+            elif e.ref > 1:
+                e.ref -= 1
+            else:
+                del table[eh]
+
+    def clear(self, rank) -> None:
+        for t in self.ranks.get(rank.worker, {}).get(rank.tp_rank, {}).values():
+            t.clear()
+
+    def drop_rank(self, rank) -> None:
+        ranks = self.ranks.get(rank.worker)
+        if ranks is not None and ranks.pop(rank.tp_rank, None) is not None:
+            self._forget(lambda c: c[:2] == (rank.worker, rank.tp_rank))
+
+    def drop_worker(self, worker) -> None:
+        w = worker.worker if hasattr(worker, "worker") else tuple(worker)
+        if w in self.ranks:
+            self.ranks[w] = {}
+            self._forget(lambda c: c[0] == w)
+
+    def _forget(self, pred):
+        for d in (self.unknown, self.dups):
+            for c in [c for c in d if pred(c)]:
+                del d[c]
+
+    # ---------------------------------------------------------------- derived state
+
+    def holders(self) -> dict[tuple, set[tuple[str, int]]]:
+        """(worker, medium) -> set of (key) held by >= tp_size ranks."""
+        out = {}
+        for w, ranks in self.ranks.items():
+            per_medium: dict[str, dict[int, set]] = {}
+            for r, tables in ranks.items():
+                for (m, _g), entries in tables.items():
+                    for e in entries.values():
+                        per_medium.setdefault(m, {}).setdefault(e.key, set()).add(r)
+            for m, keys in per_medium.items():
+                held = {k for k, rs in keys.items() if len(rs) >= self.tp[w]}
+                if held:
+                    out[(w, m)] = held
+        return out
+
+    def holder_blocks(self) -> dict[tuple, set[int]]:
+        return {k: set(v) for k, v in self.holders().items()}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.holders().values())
+
+    def workers(self) -> dict[tuple, WorkerStats]:
+        hold = self.holders()
+        out = {}
+        for w, ranks in self.ranks.items():
+            if not ranks:
+                continue
+            entries = [e for tables in ranks.values() for t in tables.values() for e in t.values()]
+            cids = [(w, r) + k for r, tables in ranks.items() for k in tables]
+            out[w] = WorkerStats(
+                w[0], w[1], self.tp[w], len(ranks),
+                {m: len(keys) for (ww, m), keys in hold.items() if ww == w},
+                len(entries), sum(e.orphan for e in entries),
+                sum(self.unknown.get(c, 0) for c in cids), sum(self.dups.get(c, 0) for c in cids),
+            )
+        return out
+
+    def score(self, token_ids, lora_name=None, block_size=None, weights=None, workers=None, extra_keys=None):
+        sizes = [block_size] if block_size else sorted(self.block_sizes)
+        toks = list(token_ids)
+        per_bs = [(bs, chain(toks, bs, ROOT, lora_name, extra_keys)) for bs in sizes]
+        return self._score(per_bs, weights, workers)
+
+    def score_engine_hashes(self, hashes, block_size=1, weights=None, workers=None):
+        return self._score([(block_size, [engine_hash_u64(h) ^ ENGINE_NS for h in hashes])], weights, workers)
+
+    def _score(self, per_bs, weights, workers):
+        wts = {**self.weights, **(weights or {})}
+        hold = self.holders()
+        allowed = None if workers is None else {tuple(w) for w in workers}
+        out = []
+        for w, ranks in self.ranks.items():
+            if allowed is not None and w not in allowed:
+                continue
+            media = [m for (ww, m) in hold if ww == w]
+            best_run, best_score, best_by = 0, 0.0, {}
+            for bs, keys in per_bs:
+                run, wsum = 0, 0.0
+                by = {m: 0 for m in media}
+                alive = set(media)
+                for k in keys:
+                    on = [m for m in media if k in hold[(w, m)]]
+                    if not on:
+                        break
+                    run += 1
+                    wsum += max(wts.get(m, self.default_weight) for m in on)
+                    for m in list(alive):
+                        if m in on:
+                            by[m] += 1
+                        else:
+                            alive.discard(m)
+                best_run = max(best_run, run * bs)
+                best_score = max(best_score, wsum * bs)
+                for m, v in by.items():
+                    if v:
+                        best_by[m] = max(best_by.get(m, 0), v * bs)
+            if best_run:
+                out.append(WorkerScore(w[0], w[1], best_run, best_by, best_score))
+        out.sort(key=lambda s: (-s.score, -s.matched_tokens, s.instance_id, s.dp_rank))
+        return out
