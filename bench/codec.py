@@ -1,0 +1,232 @@
+"""Codec benchmark: kvwire Avro (packed bytes) beside the alternatives users
+have today, on the same batches.
+
+- kvwire Avro, token ids and hashes packed in ``bytes`` (what we ship);
+- the same Avro contract with ``array<long>`` token ids and hashes (rejected);
+- vLLM's msgpack wire format (msgspec structs shaped as vLLM encodes them:
+  the batch is an array, events are tagged maps since v0.26);
+- LMCache's JSON Kafka sink (one JSON document per batch).
+
+Prints a table and writes ``bench/results/codec.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import json
+import random
+import time
+
+import fastavro
+import msgspec
+
+from schemas import codec
+from schemas.events import BlockRemoved, EventBatch, WorkerId, stored
+
+from .common import write_result
+
+
+def make_batches(n: int, seed: int = 0, stores: int = 4, blocks: int = 8, block_size: int = 16):
+    rng = random.Random(seed)
+    w = WorkerId("vllm-0", 0, 0, 1, "llama-3-8b")
+    out = []
+    for i in range(n):
+        evs = []
+        for _ in range(stores):
+            evs.append(
+                stored(
+                    [rng.getrandbits(64) for _ in range(blocks)],
+                    [rng.randrange(128_000) for _ in range(blocks * block_size)],
+                    block_size,
+                    parent_block_hash=rng.getrandbits(64),
+                    medium="GPU",
+                )
+            )
+        evs.append(BlockRemoved(tuple(rng.getrandbits(64) for _ in range(blocks)), medium="GPU"))
+        out.append(EventBatch(w, 1234567, i, 1_700_000_000_000_000 + i, tuple(evs), engine_ts=1.7e9 + i))
+    return out
+
+
+# ---------------------------------------------------------------- Avro array<long> variant
+
+
+def _array_schema():
+    raw = copy.deepcopy(codec.CURRENT.raw)
+    events = next(f for f in raw["fields"] if f["name"] == "events")
+    st, rm = events["type"]["items"][0], events["type"]["items"][1]
+    for f in st["fields"]:
+        if f["name"] in ("block_hashes", "token_ids"):
+            f["type"] = {"type": "array", "items": "long"}
+        if f["name"] == "parent_block_hash":
+            f["type"] = ["null", "long"]
+    for f in rm["fields"]:
+        if f["name"] == "block_hashes":
+            f["type"] = {"type": "array", "items": "long"}
+    return fastavro.parse_schema(raw)
+
+
+def _to_signed(h):
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def _array_record(b: EventBatch):
+    rec = codec.batch_to_record(b)
+    evs = []
+    for name, (e, src) in zip([n for n, _ in rec["events"]], zip([r for _, r in rec["events"]], b.events)):
+        e = dict(e)
+        e["block_hashes"] = [_to_signed(h) for h in src.block_hashes]
+        if "token_ids" in e:
+            e["token_ids"] = list(src.token_ids)
+            p = src.parent_block_hash
+            e["parent_block_hash"] = None if p is None else _to_signed(p)
+        evs.append((name, e))
+    rec["events"] = evs
+    return rec
+
+
+# ---------------------------------------------------------------- vLLM msgpack (msgspec)
+
+
+class VBlockStored(msgspec.Struct, tag="BlockStored", tag_field="type", omit_defaults=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class VBlockRemoved(msgspec.Struct, tag="BlockRemoved", tag_field="type", omit_defaults=True):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class VBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[VBlockStored | VBlockRemoved]
+    data_parallel_rank: int | None = None
+
+
+def _vllm_batch(b: EventBatch) -> VBatch:
+    evs = []
+    for e in b.events:
+        if hasattr(e, "token_ids"):
+            evs.append(VBlockStored(list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size, None, e.medium, None))
+        else:
+            evs.append(VBlockRemoved(list(e.block_hashes), e.medium))
+    return VBatch(b.engine_ts or 0.0, evs, b.worker.dp_rank)
+
+
+# ---------------------------------------------------------------- LMCache JSON
+
+
+def _lmcache_doc(b: EventBatch) -> dict:
+    return {
+        "instance_id": b.worker.instance_id,
+        "incarnation": b.epoch,
+        "seq": b.seq,
+        "events": [
+            {
+                "type": type(e).__name__,
+                "block_hashes": list(e.block_hashes),
+                "parent_block_hash": getattr(e, "parent_block_hash", None),
+                "token_ids": list(getattr(e, "token_ids", [])),
+                "block_size": getattr(e, "block_size", None),
+                "lora_id": None,
+                "medium": e.medium,
+                "lora_name": None,
+            }
+            for e in b.events
+        ],
+    }
+
+
+def _rate(fn, items, min_s: float) -> float:
+    n, t0 = 0, time.perf_counter()
+    while True:
+        for it in items:
+            fn(it)
+        n += len(items)
+        dt = time.perf_counter() - t0
+        if dt >= min_s:
+            return n / dt
+
+
+def run(quick: bool = False) -> dict:
+    batches = make_batches(200 if quick else 1000)
+    blocks = sum(b.block_count() for b in batches)
+    min_s = 0.5 if quick else 2.0
+    res = {}
+
+    enc = [codec.encode(b) for b in batches]
+    res["kvwire_avro_packed"] = (
+        _rate(codec.encode, batches, min_s),
+        _rate(codec.decode, enc, min_s),
+        sum(map(len, enc)),
+    )
+
+    arr_schema = _array_schema()
+    arr_recs = [_array_record(b) for b in batches]
+
+    def enc_arr(r):
+        buf = io.BytesIO()
+        fastavro.schemaless_writer(buf, arr_schema, r)
+        return buf.getvalue()
+
+    arr_enc = [enc_arr(r) for r in arr_recs]
+    res["avro_array_long"] = (
+        _rate(enc_arr, arr_recs, min_s),
+        _rate(lambda d: fastavro.schemaless_reader(io.BytesIO(d), arr_schema, None, return_record_name=True), arr_enc, min_s),
+        sum(map(len, arr_enc)),
+    )
+
+    vb = [_vllm_batch(b) for b in batches]
+    menc, mdec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(VBatch)
+    m = [menc.encode(x) for x in vb]
+    res["vllm_msgpack"] = (_rate(menc.encode, vb, min_s), _rate(mdec.decode, m, min_s), sum(map(len, m)))
+
+    docs = [_lmcache_doc(b) for b in batches]
+    js = [json.dumps(d).encode() for d in docs]
+    res["lmcache_json"] = (_rate(lambda d: json.dumps(d).encode(), docs, min_s), _rate(json.loads, js, min_s), sum(map(len, js)))
+
+    per_batch_blocks = blocks / len(batches)
+    table = {
+        k: {
+            "encode_records_per_s": round(e),
+            "decode_records_per_s": round(d),
+            "decode_blocks_per_s": round(d * per_batch_blocks),
+            "bytes_per_block": round(size / blocks, 2),
+        }
+        for k, (e, d, size) in res.items()
+    }
+    ours = table["kvwire_avro_packed"]
+    summary = {
+        "blocks_per_record": per_batch_blocks,
+        "codecs": table,
+        "codec_decode_speedup_vs_msgpack": round(ours["decode_records_per_s"] / table["vllm_msgpack"]["decode_records_per_s"], 3),
+        "codec_bytes_ratio_vs_msgpack": round(ours["bytes_per_block"] / table["vllm_msgpack"]["bytes_per_block"], 3),
+        "codec_decode_speedup_vs_json": round(ours["decode_records_per_s"] / table["lmcache_json"]["decode_records_per_s"], 3),
+        "packed_vs_array_decode_speedup": round(ours["decode_records_per_s"] / table["avro_array_long"]["decode_records_per_s"], 3),
+        "note": "kvwire decode includes building the typed model; the others return dicts/structs only",
+    }
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    out = run(args.quick)
+    print(f"{'codec':22} {'enc rec/s':>10} {'dec rec/s':>10} {'dec blocks/s':>13} {'B/block':>8}")
+    for k, v in out["codecs"].items():
+        print(f"{k:22} {v['encode_records_per_s']:>10} {v['decode_records_per_s']:>10} {v['decode_blocks_per_s']:>13} {v['bytes_per_block']:>8}")
+    for k in ("codec_decode_speedup_vs_msgpack", "codec_bytes_ratio_vs_msgpack", "codec_decode_speedup_vs_json", "packed_vs_array_decode_speedup"):
+        print(f"{k}: {out[k]}")
+    write_result("codec", out)
+
+
+if __name__ == "__main__":
+    main()
