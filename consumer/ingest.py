@@ -1,0 +1,278 @@
+"""A consumer-group member that keeps a prefix-cache index of its partitions.
+
+Two deployment modes, same code:
+- each router its own group (``group_id`` unique per router): every member
+  is assigned every partition and holds the full index;
+- several members in one group: each indexes the partitions Kafka gives it,
+  and a scatter-gather score (see ``consumer.http``) merges their answers.
+
+State is rebuilt from the log on assignment (from the partition's newest
+snapshot when a snapshot store is configured, else from the beginning), so a
+member that restarts or takes over a partition converges to the same index.
+Offsets are committed only after the records before them are applied, and
+dead letters are written before the commit that passes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+from .apply import Applier, DeadLetter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class IngestConfig:
+    bootstrap_servers: str
+    topic: str
+    # None: a group of its own (full index). Same id on several members: shared.
+    group_id: str | None = None
+    dlq_topic: str | None = None  # default "<topic>.dlq"
+    heartbeat_timeout_s: float = 60.0
+    max_records: int = 2000
+    commit_interval_s: float = 1.0
+    client_options: dict = field(default_factory=dict)
+
+    def resolved_group(self) -> str:
+        return self.group_id or f"kvwire-index-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+    def resolved_dlq(self) -> str:
+        return self.dlq_topic or f"{self.topic}.dlq"
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, member: "IndexMember"):
+        self.member = member
+
+    async def on_partitions_revoked(self, revoked):
+        await self.member._on_revoked({tp.partition for tp in revoked})
+
+    async def on_partitions_assigned(self, assigned):
+        await self.member._on_assigned({tp.partition for tp in assigned})
+
+
+class IndexMember:
+    def __init__(self, config: IngestConfig, applier: Applier | None = None, snapshots=None):
+        self.config = config
+        self.applier = applier if applier is not None else Applier()
+        self.snapshots = snapshots
+        self.group_id = config.resolved_group()
+        self.assigned: set[int] = set()
+        self._pending_revoke: set[int] = set()
+        self._targets: dict[int, int] = {}  # end offsets seen at assignment
+        self._starts: dict[int, int] = {}  # log start offsets at assignment
+        self._ready = False
+        self._consumer: AIOKafkaConsumer | None = None
+        self._producer: AIOKafkaProducer | None = None
+        self._task: asyncio.Task | None = None
+        self._stopping = asyncio.Event()
+        self._last_commit = 0.0
+        self._committed: dict[int, int] = {}
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        opts = dict(self.config.client_options)
+        self._consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.config.bootstrap_servers,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_partition_fetch_bytes=4 * 1024 * 1024,
+            **opts,
+        )
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self.config.bootstrap_servers, enable_idempotence=True, **opts
+        )
+        await self._producer.start()
+        await self._ensure_dlq()
+        await self._consumer.start()
+        self._consumer.subscribe([self.config.topic], listener=_Rebalance(self))
+        self._task = asyncio.create_task(self._run(), name=f"kvwire-ingest-{self.group_id}")
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._task:
+            try:
+                await asyncio.wait_for(self._task, 10)
+            except (asyncio.TimeoutError, Exception) as e:  # stopping must not raise
+                log.warning("ingest task ended badly: %r", e)
+        try:
+            await self._flush_and_commit(force=True)
+        except Exception as e:
+            log.warning("final commit failed: %r", e)
+        if self.snapshots is not None:
+            await self._write_snapshots(self.assigned)
+        for c in (self._consumer, self._producer):
+            if c is not None:
+                try:
+                    await c.stop()
+                except Exception as e:
+                    log.warning("client stop failed: %r", e)
+
+    async def _ensure_dlq(self) -> None:
+        """Create the dead-letter topic up front so the first bad record is not
+        also the first metadata miss; a broker that forbids it gets a warning."""
+        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.config.bootstrap_servers, **self.config.client_options)
+        try:
+            await admin.start()
+            resp = await admin.create_topics([NewTopic(self.config.resolved_dlq(), 1, 1)])
+            errs = [e for e in resp.topic_errors if e[1] not in (0, 36)]  # 36: exists
+            if errs:
+                log.warning("cannot create dead-letter topic: %s", errs)
+        except Exception as e:
+            log.warning("cannot create dead-letter topic: %r", e)
+        finally:
+            await admin.close()
+
+    @property
+    def ready(self) -> bool:
+        """Caught up with the end offsets seen when the partitions were assigned."""
+        if not self._ready and self.assigned:
+            pos = self.applier.positions
+            if all(pos.get(p, self._starts.get(p, 0)) >= t for p, t in self._targets.items()):
+                self._ready = True
+        return self._ready
+
+    # ------------------------------------------------------------ rebalance
+
+    async def _on_revoked(self, partitions: set[int]) -> None:
+        # Eager rebalancing revokes everything; keep state until we know
+        # which partitions really moved away.
+        try:
+            await self._flush_and_commit(force=True)
+        except Exception as e:
+            log.warning("commit on revoke failed: %r", e)
+        self._pending_revoke |= partitions
+
+    async def _on_assigned(self, partitions: set[int]) -> None:
+        gone = (self._pending_revoke | self.assigned) - partitions
+        if gone:
+            if self.snapshots is not None:
+                await self._write_snapshots(gone)
+            self.applier.drop_partitions(gone)
+        self._pending_revoke.clear()
+        new = partitions - self.assigned
+        self.assigned = set(partitions)
+        c = self._consumer
+        tps = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
+        ends = await c.end_offsets(tps) if tps else {}
+        begins = await c.beginning_offsets(tps) if tps else {}
+        self._starts = {tp.partition: off for tp, off in begins.items()}
+        for tp in tps:
+            p = tp.partition
+            if p in new:
+                start = await self._restore(p, begins[tp])
+                c.seek(tp, start)
+                self.applier.positions[p] = start
+            else:
+                # kept across the rebalance: continue where we were
+                c.seek(tp, self.applier.positions.get(p, begins[tp]))
+        self._targets = {tp.partition: off for tp, off in ends.items()}
+        self._ready = False
+        log.info("member %s assigned %s (new %s, dropped %s)", self.group_id, sorted(partitions), sorted(new), sorted(gone))
+
+    async def _restore(self, partition: int, log_start: int) -> int:
+        """Where to start reading a newly assigned partition (snapshot or log start)."""
+        if self.snapshots is None:
+            return log_start
+        return await self.snapshots.restore(self.applier, self.config.topic, partition, log_start)
+
+    async def _write_snapshots(self, partitions) -> None:
+        for p in sorted(partitions):
+            try:
+                await self.snapshots.save(self.applier, self.config.topic, p)
+            except Exception as e:
+                log.warning("snapshot of partition %d failed: %r", p, e)
+
+    # ------------------------------------------------------------ loop
+
+    async def _run(self) -> None:
+        c = self._consumer
+        a = self.applier
+        expire_every = max(1.0, self.config.heartbeat_timeout_s / 4)
+        last_expire = time.monotonic()
+        while not self._stopping.is_set():
+            try:
+                batches = await c.getmany(timeout_ms=200, max_records=self.config.max_records)
+            except Exception as e:
+                log.warning("poll failed, retrying: %r", e)
+                await asyncio.sleep(0.5)
+                continue
+            for tp, recs in batches.items():
+                if tp.partition not in self.assigned:
+                    continue
+                for r in recs:
+                    a.apply_record(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp)
+                await asyncio.sleep(0)  # let heartbeats and HTTP readers in
+            now = time.monotonic()
+            if now - last_expire >= expire_every and self.ready:
+                last_expire = now
+                a.expire(time.time_ns() // 1000, int(self.config.heartbeat_timeout_s * 1e6))
+            try:
+                await self._flush_and_commit()
+            except Exception as e:
+                log.warning("commit failed, will retry: %r", e)
+            self._update_gauges()
+            if self.snapshots is not None and self.ready:
+                await self.snapshots.maybe_save(self.applier, self.config.topic, self.assigned)
+
+    async def _flush_and_commit(self, force: bool = False) -> None:
+        dead = self.applier.take_dead_letters()
+        if dead:
+            await self._send_dead_letters(dead)
+        now = time.monotonic()
+        if not force and now - self._last_commit < self.config.commit_interval_s:
+            return
+        self._last_commit = now
+        offsets = {
+            TopicPartition(self.config.topic, p): OffsetAndMetadata(off, "")
+            for p, off in self.applier.positions.items()
+            if p in self.assigned and self._committed.get(p) != off
+        }
+        if offsets and self._consumer is not None:
+            await self._consumer.commit(offsets)
+            self._committed.update({tp.partition: om.offset for tp, om in offsets.items()})
+
+    async def _send_dead_letters(self, dead: list[DeadLetter]) -> None:
+        futs = []
+        for d in dead:
+            headers = [
+                ("kvwire-error", d.error.encode()[:4096]),
+                ("kvwire-source-topic", d.topic.encode()),
+                ("kvwire-source-partition", str(d.partition).encode()),
+                ("kvwire-source-offset", str(d.offset).encode()),
+                ("kvwire-source-timestamp", str(d.timestamp_ms).encode()),
+            ]
+            futs.append(
+                await self._producer.send(self.config.resolved_dlq(), d.value, key=d.key, headers=headers)
+            )
+        # the commit that passes these offsets waits for the dead letters to land
+        await asyncio.gather(*futs)
+        log.warning("dead-lettered %d record(s); last: %s", len(dead), dead[-1].error)
+
+    def _update_gauges(self) -> None:
+        m = self.applier.metrics
+        idx = self.applier.index
+        m.index_holder_blocks.set(len(idx))
+        m.index_bytes.set(idx.nbytes())
+        untrusted = self.applier.ranks.untrusted_workers()
+        known = {(i, d) for (i, d, _) in self.applier.ranks.ranks}
+        m.workers.labels("true").set(len(known - untrusted))
+        m.workers.labels("false").set(len(untrusted & known))
+        for p in self.assigned:
+            hw = self._consumer.highwater(TopicPartition(self.config.topic, p))
+            if hw is not None:
+                m.consumer_lag.labels(str(p)).set(max(0, hw - self.applier.positions.get(p, 0)))
