@@ -10,7 +10,7 @@ from kvwire.broker.cli import app as _kafka  # noqa: E402
 app.add_typer(_kafka, name="kafka")
 # app.add_typer(<demo app>, name="demo")
 # app.add_typer(<index app>, name="index")
-# app.add_typer(<bridge app>, name="bridge")
+from kvwire.bridge_cli import app as _bridge; app.add_typer(_bridge, name="bridge")  # noqa: E402, E702
 # app.add_typer(<replay app>, name="replay")
 from kvwire.tail import app as _tail  # noqa: E402
 app.add_typer(_tail, name="tail")

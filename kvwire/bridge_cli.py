@@ -1,0 +1,59 @@
+"""`kvwire bridge`: forward one vLLM ZMQ KV-event stream (one DP rank) to Kafka.
+
+Imports stay inside the command: every `kvwire ...` call imports this module."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(add_completion=False, help="Forward a vLLM ZMQ KV-event stream to Kafka.")
+
+
+@app.callback(invoke_without_command=True)
+def bridge(
+    zmq_endpoint: str = typer.Option(..., help="vLLM --kv-events-config endpoint, e.g. tcp://10.0.0.5:5557 (+ dp_rank)."),
+    instance_id: str = typer.Option(..., help="Stable id of the vLLM instance (the routing target)."),
+    bootstrap_servers: str = typer.Option(..., help="Kafka bootstrap servers."),
+    topic: str = typer.Option(..., help="Kafka topic."),
+    replay_endpoint: str = typer.Option(None, help="vLLM replay_endpoint (ROUTER), to fill sequence holes."),
+    model: str = typer.Option("", help="Served model name recorded with every batch."),
+    dp_rank: int = typer.Option(0, help="Data-parallel rank this stream belongs to."),
+    zmq_topic: str = typer.Option("", help="vLLM KV-events topic (SUB prefix filter)."),
+    partitions: int = typer.Option(12, help="Partitions if the topic must be created."),
+    replay_timeout_s: float = typer.Option(5.0, help="Give up on a replay after this long (the rest is a gap)."),
+    log_level: str = typer.Option("INFO"),
+) -> None:
+    import asyncio
+    import logging
+    import signal
+
+    from kvwire.options import client_options_from_env
+    from producer.publisher import KafkaPublisher, PublisherConfig
+    from producer.zmq_bridge import BridgeConfig, ZmqBridge
+    from schemas.events import WorkerId
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("kvwire.bridge")
+
+    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap_servers, topic=topic, partitions=partitions, client_options=client_options_from_env()))
+    # The ZMQ stream is emitted after TP aggregation: one rank per worker.
+    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source="vllm-zmq")
+    br = ZmqBridge(
+        BridgeConfig(zmq_endpoint, replay_endpoint, zmq_topic, replay_timeout_s, expected_dp_rank=dp_rank),
+        stream,
+    )
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("bridging %s -> %s/%s as %s/%d", zmq_endpoint, bootstrap_servers, topic, instance_id, dp_rank)
+        await br.run(stop)
+
+    try:
+        asyncio.run(main())
+    finally:
+        # Flushes what the stream still holds before the process exits.
+        pub.close()
+        log.info("bridge stopped: %s", br.stats)
