@@ -386,6 +386,21 @@ class PrefixIndex:
             best = res if best is None else _merge(best, res)
         return self._results(best)
 
+    def score_keys(
+        self,
+        keys: np.ndarray,
+        block_size: int,
+        weights: Mapping[str, float] | None = None,
+        workers: Iterable[tuple[str, int]] | None = None,
+    ) -> list[WorkerScore]:
+        """Score precomputed ``prompt_keys(tokens, block_size, ...)`` (a router
+        that caches a conversation's keys skips rehashing its prefix)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if keys.shape[0] == 0 or not self.s_st[T.ST_COUNT] or not self._n_wm:
+            return []
+        wmask, warr = self._query_args(weights, workers)
+        return self._results(self._run(_NO_TOKENS, 0, keys.shape[0], _NO_CTX, keys, wmask, warr, scale=block_size))
+
     def score_engine_hashes(
         self,
         hashes,
@@ -430,15 +445,20 @@ class PrefixIndex:
         hit = np.flatnonzero(run_w)
         if hit.shape[0] == 0:
             return []
-        by: dict[int, dict[str, int]] = {int(w): {} for w in hit}
-        for wm in np.flatnonzero(run_wm):
-            by[int(self.wm_worker[wm])][self._media_names[self.wm_medium[wm]]] = int(run_wm[wm])
-        out = []
+        # Bulk .tolist() conversions: per-element numpy scalar access costs
+        # ~1 us per worker, which dominated queries matching 100+ workers.
+        hw = hit.tolist()
+        by: dict[int, dict[str, int]] = {w: {} for w in hw}
+        wms = np.flatnonzero(run_wm)
+        names = self._media_names
+        for w, m, r in zip(self.wm_worker[wms].tolist(), self.wm_medium[wms].tolist(), run_wm[wms].tolist()):
+            by[w][names[m]] = r
         wl = self._worker_list
-        for w in hit.tolist():
-            iid, dp = wl[w].key
-            out.append(WorkerScore(iid, dp, int(run_w[w]), by[w], float(score_w[w])))
-        out.sort(key=lambda s: (-s.score, -s.matched_tokens, s.instance_id, s.dp_rank))
+        out = [
+            WorkerScore(wl[w].key[0], wl[w].key[1], r, by[w], sc)
+            for w, r, sc in zip(hw, run_w[hit].tolist(), score_w[hit].astype(np.float64).tolist())
+        ]
+        out.sort(key=_rank_key)
         return out
 
     # ------------------------------------------------------------ stats
@@ -495,6 +515,10 @@ class PrefixIndex:
                 for t in ts.values():
                     n += t.nbytes()
         return n
+
+
+def _rank_key(s: WorkerScore):
+    return (-s.score, -s.matched_tokens, s.instance_id, s.dp_rank)
 
 
 def _merge(a, b):
