@@ -41,6 +41,9 @@ class IngestConfig:
     heartbeat_timeout_s: float = 60.0
     max_records: int = 2000
     commit_interval_s: float = 1.0
+    # The broker holds a fetch until this long when a partition is quiet;
+    # aiokafka's 500 ms default would be the index's lag floor.
+    fetch_max_wait_ms: int = 10
     client_options: dict = field(default_factory=dict)
 
     def resolved_group(self) -> str:
@@ -89,6 +92,7 @@ class IndexMember:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_partition_fetch_bytes=4 * 1024 * 1024,
+            fetch_max_wait_ms=self.config.fetch_max_wait_ms,
             **opts,
         )
         self._producer = AIOKafkaProducer(

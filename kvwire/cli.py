@@ -8,10 +8,13 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="KV-cache eve
 from kvwire.broker.cli import app as _kafka  # noqa: E402
 
 app.add_typer(_kafka, name="kafka")
-# app.add_typer(<demo app>, name="demo")
-# app.add_typer(<index app>, name="index")
+from kvwire.demo import demo as _demo  # noqa: E402
+app.command(name="demo")(_demo)
+from kvwire.index_cli import index as _index  # noqa: E402
+app.command(name="index")(_index)
 from kvwire.bridge_cli import app as _bridge; app.add_typer(_bridge, name="bridge")  # noqa: E402, E702
-# app.add_typer(<replay app>, name="replay")
+from kvwire.replay_cli import replay as _replay  # noqa: E402
+app.command(name="replay")(_replay)
 from kvwire.tail import app as _tail  # noqa: E402
 app.add_typer(_tail, name="tail")
 from kvwire.schemas_cli import app as _schemas  # noqa: E402

@@ -1,0 +1,223 @@
+"""`kvwire demo`: the whole pipeline on one machine.
+
+Simulated vLLM workers (paged caches, LRU eviction, shared system prompts,
+multi-turn sessions, restarts) publish their KV events through kvwire's
+producer into a real Kafka topic; index members in one consumer group each
+index their partitions; a router scores every request over the members
+(scatter-gather), sends it to the worker with the longest cached prefix, and
+that worker serves it — so the index's answers drive the fleet. Every routing
+decision is checked against an oracle: the simulator's true caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from dataclasses import dataclass
+
+import typer
+
+
+@dataclass
+class DemoStats:
+    requests: int = 0
+    hits: int = 0  # routed to a worker holding the longest cached prefix there was
+    cold: int = 0  # nobody held any of the prompt
+    routed_tokens: int = 0  # prefix tokens the chosen worker really held
+    best_tokens: int = 0  # prefix tokens the best worker held
+    rr_tokens: int = 0  # what round-robin routing would have reused
+    restarts: int = 0
+    clears: int = 0
+
+
+def demo(
+    workers: int = typer.Option(8, help="Simulated engine workers"),
+    tp_size: int = typer.Option(1, "--tp-size", help="Tensor-parallel ranks per worker (each publishes its own stream)"),
+    partitions: int = typer.Option(8, help="Partitions of the demo topic"),
+    members: int = typer.Option(2, help="Index members in the consumer group"),
+    seconds: float = typer.Option(20.0, help="How long to route requests"),
+    rate: float = typer.Option(150.0, help="Requests per second offered"),
+    capacity: int = typer.Option(400, help="Cache capacity per worker, in blocks of 16 tokens"),
+    seed: int = typer.Option(0),
+    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS", help="Existing Kafka; default: start a local one"),
+) -> None:
+    """Run simulated workers → producer → Kafka → index group → router, and report hit rate against an oracle."""
+    from rich.console import Console
+
+    console = Console(stderr=False)
+    if not bootstrap_servers:
+        from kvwire.broker import resolve_bootstrap
+
+        console.print("[dim]starting Kafka (first run downloads the broker jars with Maven)...[/]")
+        bootstrap_servers = resolve_bootstrap()
+    console.print(f"Kafka: [bold]{bootstrap_servers}[/]")
+    ok = asyncio.run(_run(console, bootstrap_servers, workers, tp_size, partitions, members, seconds, rate, capacity, seed))
+    raise typer.Exit(0 if ok else 1)
+
+
+async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, seconds, rate, capacity, seed) -> bool:
+    from consumer.http import merge_scores
+    from consumer.ingest import IndexMember, IngestConfig
+    from producer.publisher import KafkaPublisher, PublisherConfig
+    from producer.simulator import SimConfig, Simulator
+
+    topic = f"kvwire.demo-{uuid.uuid4().hex[:8]}"
+    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=2))
+    streams = {}
+    sim = Simulator(
+        SimConfig(workers=n_workers, tp_size=tp_size, capacity_blocks=capacity, seed=seed, p_clear=0.0, p_restart=0.0),
+        lambda rank, evs: streams[rank].publish(evs),
+        on_restart=lambda rank: streams[rank].new_epoch(),
+    )
+    await _create_topic(bootstrap, topic, partitions)
+    console.print(f"topic [bold]{topic}[/] ({partitions} partitions), {n_workers} workers x TP{tp_size}, "
+                  f"{n_members} index member(s) in one group")
+
+    group = f"kvwire-demo-{uuid.uuid4().hex[:8]}"
+    members = [IndexMember(IngestConfig(bootstrap, topic, group_id=group, heartbeat_timeout_s=3600)) for _ in range(n_members)]
+    for m in members:
+        await m.start()
+    # wait for the group to settle: every partition owned by exactly one member
+    for _ in range(600):
+        owned = [p for m in members for p in m.assigned]
+        if sorted(owned) == list(range(partitions)):
+            break
+        await asyncio.sleep(0.05)
+    console.print("group assignment: " + ", ".join(f"member {i}: {sorted(m.assigned)}" for i, m in enumerate(members)))
+    for ranks in sim.ranks:  # streams start now: their first record (a reset) is not startup lag
+        for r in ranks:
+            streams[r] = pub.stream(r, "simulator")
+
+    def score(tokens):
+        answers = [
+            [{"instance_id": s.instance_id, "dp_rank": s.dp_rank, "matched_tokens": s.matched_tokens, "score": s.score}
+             for s in m.applier.score(tokens)]
+            for m in members
+        ]
+        return merge_scores(answers, limit=8)
+
+    st = DemoStats()
+    rng = random.Random(seed + 1)
+    index_of = {w: i for i, w in enumerate(sim.workers)}
+    bs = sim.cfg.block_size
+    t0 = time.perf_counter()
+    next_print = t0 + 1.0
+    interval = 1.0 / rate
+    rr = 0
+    while (now := time.perf_counter()) - t0 < seconds:
+        # faults a real fleet sees: restarts (a new epoch) and cache resets
+        if rng.random() < 0.002:
+            w = rng.randrange(n_workers)
+            sim.restart(w)
+            st.restarts += 1
+        elif rng.random() < 0.001:
+            sim.clear(rng.randrange(n_workers))
+            st.clears += 1
+        req = sim.next_request()
+        tokens = req.token_ids
+        ranked = score(list(tokens))
+        if ranked:
+            target = index_of[(ranked[0]["instance_id"], ranked[0]["dp_rank"])]
+        else:
+            target = rng.randrange(n_workers)  # nothing cached anywhere (as far as we know)
+        got = sim.prefix_blocks(target, tokens)
+        st.requests += 1
+        st.best_tokens += req.expected_blocks * bs
+        st.routed_tokens += got * bs
+        st.rr_tokens += sim.prefix_blocks(rr % n_workers, tokens) * bs
+        rr += 1
+        if req.expected_blocks == 0:
+            st.cold += 1
+        if got == req.expected_blocks:
+            st.hits += 1
+        sim.sessions[req.session].worker = target
+        sim.serve(target, tokens)
+        if now >= next_print:
+            next_print += 1.0
+            console.print(_line(st, members, pub, now - t0))
+        await asyncio.sleep(max(0.0, t0 + st.requests * interval - time.perf_counter()))
+
+    # drain: every accepted batch reaches the index, then compare with the engines' caches
+    await asyncio.to_thread(pub.close)
+    ends = await _end_offsets(bootstrap, topic)
+    for _ in range(600):
+        pos = {p: off for m in members for p, off in m.applier.positions.items() if p in m.assigned}
+        if all(pos.get(p, 0) >= off for p, off in ends.items()):
+            break
+        await asyncio.sleep(0.05)
+    exact = 0
+    for w, key in enumerate(sim.workers):
+        held = 0
+        for m in members:
+            ws = m.applier.index.workers().get(key)
+            held += sum(ws.blocks.values()) if ws is not None else 0
+        exact += held == len(sim.caches[w])
+    elapsed = time.perf_counter() - t0
+    console.print(_line(st, members, pub, elapsed))
+    lag = _lag(members)
+    applied_records = sum(m.applier.records for m in members)
+    applied_blocks = sum(m.applier.blocks for m in members)
+    pstats = pub.stats()
+    dropped = sum(s.dropped for s in pstats)
+    console.rule("[bold]kvwire demo summary")
+    console.print(f"requests routed            {st.requests} ({st.requests / elapsed:.0f}/s), {st.cold} with nothing cached anywhere")
+    console.print(f"hit rate vs oracle         [bold]{st.hits / max(1, st.requests):.2%}[/] (routed to a worker holding the longest cached prefix)")
+    console.print(f"prefix tokens reused       {st.routed_tokens} of {st.best_tokens} possible "
+                  f"({st.routed_tokens / max(1, st.best_tokens):.2%}); round-robin would reuse {st.rr_tokens} "
+                  f"({st.rr_tokens / max(1, st.best_tokens):.2%})")
+    console.print(f"apply lag (ts → applied)   p50 {lag[0]} ms, p99 {lag[1]} ms")
+    console.print(f"applied                    {applied_records} records, {applied_blocks} blocks "
+                  f"({applied_blocks / elapsed:,.0f} blocks/s); {sum(len(m.applier.index) for m in members)} holder-blocks")
+    console.print(f"producer                   {sum(s.acked for s in pstats)} records acked, {dropped} dropped; "
+                  f"{st.restarts} worker restarts (new epochs), {st.clears} cache resets")
+    console.print(f"index == engines' caches   {exact}/{n_workers} workers exact after drain")
+    for m in members:
+        await m.stop()
+    return exact == n_workers and dropped == 0
+
+
+def _lag(members) -> tuple:
+    samples = sorted(x for m in members for x in m.applier.metrics._lags)
+    if not samples:
+        return (None, None)
+    return (round(samples[len(samples) // 2] / 1000, 2), round(samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000, 2))
+
+
+def _line(st: DemoStats, members, pub, elapsed: float) -> str:
+    lag = _lag(members)
+    hb = sum(len(m.applier.index) for m in members)
+    return (f"{elapsed:5.1f}s req {st.requests:6d}  hit {st.hits / max(1, st.requests):6.1%}  "
+            f"reuse {st.routed_tokens / max(1, st.best_tokens):6.1%} (rr {st.rr_tokens / max(1, st.best_tokens):5.1%})  "
+            f"blocks {hb:6d}  lag {lag[0]}/{lag[1]} ms")
+
+
+async def _create_topic(bootstrap, topic, partitions) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        resp = await admin.create_topics([NewTopic(topic, partitions, 1)])
+        errs = [e for e in resp.topic_errors if e[1] not in (0, 36)]
+        if errs:
+            raise RuntimeError(f"cannot create {topic}: {errs}")
+    finally:
+        await admin.close()
+
+
+async def _end_offsets(bootstrap, topic) -> dict[int, int]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await c.start()
+    try:
+        parts = c.partitions_for_topic(topic)
+        if not parts:
+            await c._client.force_metadata_update()
+            parts = c.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in parts]
+        return {tp.partition: off for tp, off in (await c.end_offsets(tps)).items()}
+    finally:
+        await c.stop()
