@@ -1,0 +1,214 @@
+"""A second, SASL-only broker for the security tests.
+
+It is a separate LocalKafka (own home, own ports) because the shared broker on 19092 must stay
+PLAINTEXT for every other test, and a broker's listeners cannot be changed while it runs."""
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvwire.broker.probe import run_sync
+
+USER = "kvwire"
+# Random per session so a leak check cannot pass by luck of a value that never reached the client.
+PASSWORD = "pw-" + os.urandom(12).hex()
+ADMIN_USER = "kvwire-broker"
+ADMIN_PASSWORD = "adm-" + os.urandom(12).hex()
+MECH = "SCRAM-SHA-256"
+
+
+def _in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class SecureKafka:
+    sasl_bootstrap: str  # SASL_PLAINTEXT
+    ssl_bootstrap: str | None  # SASL_SSL; None when TLS could not be set up
+    cafile: str | None
+    log_path: Path
+    user: str = USER
+    password: str = PASSWORD
+
+    def env(self, *, tls: bool = False, password: str | None = None) -> dict[str, str]:
+        """KVWIRE_KAFKA_* variables as a deployment would set them."""
+        env = {
+            "KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL" if tls else "SASL_PLAINTEXT",
+            "KVWIRE_KAFKA_SASL_MECHANISM": MECH,
+            "KVWIRE_KAFKA_SASL_USERNAME": self.user,
+            "KVWIRE_KAFKA_SASL_PASSWORD": self.password if password is None else password,
+        }
+        if tls:
+            env["KVWIRE_KAFKA_SSL_CAFILE"] = self.cafile or ""
+        return env
+
+
+def _free_port_triple() -> int:
+    """p, p+1 (controller), p+2 (SASL_SSL) all free: fixed ports would collide with a second
+    pytest session on the same machine, and LocalKafka derives the controller port from p."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + 2 > 65535:
+            continue
+        ok = True
+        for q in (p, p + 1, p + 2):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return p
+    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
+
+
+def _self_signed(home: Path) -> tuple[Path, Path]:
+    """A CA-less self-signed cert for 127.0.0.1/localhost; the broker reads it as a PEM keystore
+    (key PKCS#8 unencrypted + cert in one file), clients trust the cert itself as their CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name).issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        # Python's default context rejects a self-signed leaf used as its own anchor unless it is a CA.
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption())
+    keystore, ca = home / "broker.pem", home / "ca.pem"
+    keystore.write_bytes(key_pem + cert_pem)
+    keystore.chmod(0o600)
+    ca.write_bytes(cert_pem)
+    return keystore, ca
+
+
+def _jaas(user: str, password: str) -> str:
+    return (f'org.apache.kafka.common.security.scram.ScramLoginModule required '
+            f'username="{user}" password="{password}";')
+
+
+def secure_broker_config(port: int, keystore: Path | None) -> tuple[dict, list[str]]:
+    """(extra_properties, format_args) for a broker whose client listeners all require SCRAM.
+
+    The controller listener stays PLAINTEXT (loopback, never advertised to clients). Inter-broker
+    traffic goes over the SASL listener with its own user: a PLAINTEXT inter-broker listener
+    would be an unauthenticated door for any client that finds the port."""
+    c, s = port + 1, port + 2
+    listeners = [f"SASL://127.0.0.1:{port}", f"CONTROLLER://127.0.0.1:{c}"]
+    advertised = [f"SASL://127.0.0.1:{port}"]
+    proto_map = ["SASL:SASL_PLAINTEXT", "CONTROLLER:PLAINTEXT"]
+    props: dict = {
+        "inter.broker.listener.name": "SASL",
+        "sasl.enabled.mechanisms": MECH,
+        "sasl.mechanism.inter.broker.protocol": MECH,
+        "listener.name.sasl.scram-sha-256.sasl.jaas.config": _jaas(ADMIN_USER, ADMIN_PASSWORD),
+    }
+    if keystore is not None:
+        listeners.append(f"SASLSSL://127.0.0.1:{s}")
+        advertised.append(f"SASLSSL://127.0.0.1:{s}")
+        proto_map.append("SASLSSL:SASL_SSL")
+        props.update({
+            "listener.name.saslssl.scram-sha-256.sasl.jaas.config": _jaas(ADMIN_USER, ADMIN_PASSWORD),
+            "listener.name.saslssl.ssl.keystore.type": "PEM",
+            "listener.name.saslssl.ssl.keystore.location": str(keystore),
+            "listener.name.saslssl.ssl.client.auth": "none",
+        })
+    props.update({
+        "listeners": ",".join(listeners),
+        "advertised.listeners": ",".join(advertised),
+        "listener.security.protocol.map": ",".join(proto_map),
+    })
+    # SCRAM users live in the cluster metadata; adding them at format time means the broker
+    # accepts them from its first second, with no admin round trip before it is reachable.
+    fmt = ["--add-scram", f"{MECH}=[name={ADMIN_USER},password={ADMIN_PASSWORD}]",
+           "--add-scram", f"{MECH}=[name={USER},password={PASSWORD}]"]
+    return props, fmt
+
+
+def client_config(bootstrap_env: dict[str, str]) -> dict:
+    from kvwire.options import client_options_from_env
+
+    return client_options_from_env(bootstrap_env)
+
+
+@pytest.fixture(scope="session")
+def secure_kafka(tmp_path_factory: pytest.TempPathFactory):
+    """Started once per session, stopped (and its temp home dropped) at the end."""
+    from kvwire.broker import LocalKafka
+
+    home = tmp_path_factory.mktemp("sasl-kafka")
+    port = int(os.environ.get("KVWIRE_SASL_KAFKA_PORT") or _free_port_triple())
+    tls_error = None
+    try:
+        keystore, ca = _self_signed(home)
+    except Exception as e:  # cryptography missing: SASL still gets tested
+        keystore = ca = None
+        tls_error = e
+    props, fmt = secure_broker_config(port, keystore)
+    info = SecureKafka(f"127.0.0.1:{port}", f"127.0.0.1:{port + 2}" if keystore else None,
+                       str(ca) if ca else None, home / "kafka.log")
+    kafka = LocalKafka(home, port, extra_properties=props, format_args=fmt,
+                       client_config=client_config(info.env()))
+    try:
+        kafka.start()
+    except Exception as e:
+        kafka.stop()
+        reason = f"SASL broker could not start: {e}"
+        if _in_ci():
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    if tls_error is not None and _in_ci():
+        kafka.stop()
+        pytest.fail(f"TLS keystore could not be made: {tls_error}", pytrace=False)
+    try:
+        yield info
+    finally:
+        kafka.stop()
+
+
+@pytest.fixture
+def secure_topic(secure_kafka: SecureKafka, request: pytest.FixtureRequest) -> str:
+    """A fresh 1-partition topic created with credentials (auto-create would hide auth failures)."""
+    import uuid
+
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    name = f"sec-{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
+
+    async def create() -> None:
+        admin = AIOKafkaAdminClient(bootstrap_servers=secure_kafka.sasl_bootstrap,
+                                    **client_config(secure_kafka.env()))
+        await admin.start()
+        try:
+            resp = await admin.create_topics([NewTopic(name, 1, 1)], timeout_ms=30000)
+            errs = [t for t in resp.topic_errors if t[1] != 0]
+            if errs:
+                raise RuntimeError(f"create_topics failed: {errs}")
+        finally:
+            await admin.close()
+
+    run_sync(create)
+    return name
