@@ -74,6 +74,7 @@ class IndexMember:
         self._pending_revoke: set[int] = set()
         self._targets: dict[int, int] = {}  # end offsets seen at assignment
         self._starts: dict[int, int] = {}  # log start offsets at assignment
+        self._assigning = False
         self._ready = False
         self._consumer: AIOKafkaConsumer | None = None
         self._producer: AIOKafkaProducer | None = None
@@ -144,7 +145,7 @@ class IndexMember:
     @property
     def ready(self) -> bool:
         """Caught up with the end offsets seen when the partitions were assigned."""
-        if not self._ready and self.assigned:
+        if not self._ready and self.assigned and not self._assigning:
             pos = self.applier.positions
             if all(pos.get(p, self._starts.get(p, 0)) >= t for p, t in self._targets.items()):
                 self._ready = True
@@ -162,30 +163,36 @@ class IndexMember:
         self._pending_revoke |= partitions
 
     async def _on_assigned(self, partitions: set[int]) -> None:
-        gone = (self._pending_revoke | self.assigned) - partitions
-        if gone:
-            if self.snapshots is not None:
-                await self._write_snapshots(gone)
-            self.applier.drop_partitions(gone)
-        self._pending_revoke.clear()
-        new = partitions - self.assigned
-        self.assigned = set(partitions)
-        c = self._consumer
-        tps = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
-        ends = await c.end_offsets(tps) if tps else {}
-        begins = await c.beginning_offsets(tps) if tps else {}
-        self._starts = {tp.partition: off for tp, off in begins.items()}
-        for tp in tps:
-            p = tp.partition
-            if p in new:
-                start = await self._restore(p, begins[tp])
-                c.seek(tp, start)
-                self.applier.positions[p] = start
-            else:
-                # kept across the rebalance: continue where we were
-                c.seek(tp, self.applier.positions.get(p, begins[tp]))
-        self._targets = {tp.partition: off for tp, off in ends.items()}
+        # Not ready until the new assignment's targets are known and reached:
+        # /healthz must never say 200 in the window while we are still seeking.
         self._ready = False
+        self._assigning = True
+        try:
+            gone = (self._pending_revoke | self.assigned) - partitions
+            if gone:
+                if self.snapshots is not None:
+                    await self._write_snapshots(gone)
+                self.applier.drop_partitions(gone)
+            self._pending_revoke.clear()
+            new = partitions - self.assigned
+            c = self._consumer
+            tps = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
+            ends = await c.end_offsets(tps) if tps else {}
+            begins = await c.beginning_offsets(tps) if tps else {}
+            self._starts = {tp.partition: off for tp, off in begins.items()}
+            for tp in tps:
+                p = tp.partition
+                if p in new:
+                    start = await self._restore(p, begins[tp])
+                    c.seek(tp, start)
+                    self.applier.positions[p] = start
+                else:
+                    # kept across the rebalance: continue where we were
+                    c.seek(tp, self.applier.positions.get(p, begins[tp]))
+            self._targets = {tp.partition: off for tp, off in ends.items()}
+            self.assigned = set(partitions)
+        finally:
+            self._assigning = False
         log.info("member %s assigned %s (new %s, dropped %s)", self.group_id, sorted(partitions), sorted(new), sorted(gone))
 
     async def _restore(self, partition: int, log_start: int) -> int:
