@@ -7,6 +7,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import pytest
@@ -126,3 +127,29 @@ def h():
 
     return types.SimpleNamespace(require=require, free_port=free_port, wait_for=wait_for,
                                  read_batches=read_batches, MemorySink=MemorySink)
+
+
+LMCACHE_CHUNK = 16
+
+
+@pytest.fixture
+def engine(h):
+    """A real LMCacheEngine on CPU (chunk size LMCACHE_CHUNK): only the GPU copy is LMCache's MockGPUConnector."""
+    torch = h.require("torch")
+    h.require("lmcache.v1.cache_engine")
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=LMCACHE_CHUNK, local_cpu=True, max_local_cpu_size=0.05,
+                                            enable_kv_events=True)
+    kv_shape = (2, 2, LMCACHE_CHUNK, 2, 8)
+    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0,
+                         local_worker_id=0, kv_dtype=torch.float16, kv_shape=kv_shape)
+    name = f"kvwire-{uuid.uuid4().hex[:8]}"
+    eng = LMCacheEngineBuilder.get_or_create(name, cfg, md, MockGPUConnector(kv_shape),
+                                             lambda *a: None, lambda *a: None)
+    eng.post_init()
+    yield eng
+    LMCacheEngineBuilder.destroy(name)

@@ -3,8 +3,6 @@ database, CPU storage backend and torch tensors. Only the GPU is mocked: LMCache
 MockGPUConnector stands in for the paged-GPU copy (there is no GPU here)."""
 from __future__ import annotations
 
-import uuid
-
 import pytest
 
 from producer.lmcache_source import UNKNOWN_PARENT, LMCacheRepair, LMCacheSource, engine_chunk_hasher
@@ -13,28 +11,6 @@ from schemas.events import WorkerId
 
 pytestmark = pytest.mark.lmcache
 CHUNK = 16
-
-
-@pytest.fixture
-def engine(h):
-    torch = h.require("torch")
-    h.require("lmcache.v1.cache_engine")
-    from lmcache.v1.cache_engine import LMCacheEngineBuilder
-    from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
-    from lmcache.v1.metadata import LMCacheMetadata
-
-    cfg = LMCacheEngineConfig.from_defaults(chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=0.05,
-                                            enable_kv_events=True)
-    kv_shape = (2, 2, CHUNK, 2, 8)
-    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0,
-                         local_worker_id=0, kv_dtype=torch.float16, kv_shape=kv_shape)
-    name = f"kvwire-{uuid.uuid4().hex[:8]}"
-    eng = LMCacheEngineBuilder.get_or_create(name, cfg, md, MockGPUConnector(kv_shape),
-                                             lambda *a: None, lambda *a: None)
-    eng.post_init()
-    yield eng
-    LMCacheEngineBuilder.destroy(name)
 
 
 class Tap:
