@@ -19,7 +19,7 @@ from kvwire.tail import app as _tail  # noqa: E402
 app.add_typer(_tail, name="tail")
 from kvwire.schemas_cli import app as _schemas  # noqa: E402
 app.add_typer(_schemas, name="schemas")
-# app.add_typer(<bench app>, name="bench")
+from kvwire.bench_cli import app as _bench; app.add_typer(_bench, name="bench")  # noqa: E402, E702
 
 if __name__ == "__main__":
     app()
