@@ -129,17 +129,26 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
     from consumer.metrics import IngestMetrics
 
     class Recording(IngestMetrics):
-        """Keeps every lag sample with its applied time (the stock window keeps 4096)."""
+        """Keeps every lag sample with its applied time (the stock window keeps 4096) and the
+        broker's append time of the record (the topic uses LogAppendTime)."""
 
         def __init__(self):
             super().__init__()
             self.at: list[int] = []
             self.lag: list[int] = []
+            self.append_ms: list[int] = []
+            self.record_ts_ms = 0
 
         def observe_lag_us(self, lag_us: int) -> None:
             super().observe_lag_us(lag_us)
             self.at.append(time.time_ns() // 1000)
             self.lag.append(lag_us)
+            self.append_ms.append(self.record_ts_ms)
+
+    class StampingApplier(Applier):
+        def apply_record(self, topic, partition, offset, key, value, timestamp_ms):
+            self.metrics.record_ts_ms = timestamp_ms
+            return super().apply_record(topic, partition, offset, key, value, timestamp_ms)
 
     def warm() -> None:
         # Load every jitted kernel now: a fresh process pays ~0.1-0.5 s on the first store,
@@ -157,7 +166,7 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
     async def main() -> None:
         warm()
         m = Recording()
-        member = IndexMember(IngestConfig(bootstrap_servers=bootstrap, topic=topic), Applier(metrics=m))
+        member = IndexMember(IngestConfig(bootstrap_servers=bootstrap, topic=topic), StampingApplier(metrics=m))
         await member.start()
         while not member.ready:
             await asyncio.sleep(0.05)
@@ -168,6 +177,7 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
         applied.value = member.applier.records
         await member.stop()
         np.savez(out_path, at=np.array(m.at, np.int64), lag=np.array(m.lag, np.int64),
+                 append_ms=np.array(m.append_ms, np.int64),
                  holder_blocks=len(member.applier.index))
 
     asyncio.run(main())
@@ -176,15 +186,24 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
 # ------------------------------------------------------------------ conductor
 
 
-def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray) -> dict:
+def _pcts(ms: np.ndarray) -> dict:
+    ms = np.sort(ms)
+    if not len(ms):
+        return {"p50": None, "p99": None, "p99.9": None, "max": None}
+    at = lambda p: round(float(ms[min(len(ms) - 1, int(len(ms) * p / 100))]), 3)  # noqa: E731
+    return {"p50": at(50), "p99": at(99), "p99.9": at(99.9), "max": round(float(ms[-1]), 3)}
+
+
+def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarray) -> dict:
     t0, t1 = lvl["t0_us"], lvl["t1_us"]
     ts = at - lag  # publish() time of each record
     mine = (ts >= t0) & (ts <= t1)
-    lags_ms = np.sort(lag[mine]) / 1000
+    # Split at the broker's append time (ms resolution, so each side is +-1 ms).
+    to_broker = (append_ms[mine] * 1000 - ts[mine]) / 1000
+    from_broker = (at[mine] - append_ms[mine] * 1000) / 1000
     dur = (t1 - t0) / 1e6
     applied_in_window = int(((at >= t0) & (at <= t1)).sum())
     offered = lvl["published"] / dur
-    pct = lambda p: round(float(lags_ms[min(len(lags_ms) - 1, int(len(lags_ms) * p / 100))]), 3) if len(lags_ms) else None  # noqa: E731
     return {
         "target_records_per_s": lvl["rate"],
         "offered_records_per_s": round(offered, 1),
@@ -195,16 +214,31 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray) -> dict:
         "published": lvl["published"], "dropped": lvl["dropped"], "acked": lvl["acked"],
         "pacer_behind": lvl["calls"] < lvl["rate"] * 0.95 * dur,
         "records_measured": int(mine.sum()),
-        "lag_ms": {"p50": pct(50), "p99": pct(99), "p99.9": pct(99.9),
-                   "max": round(float(lags_ms[-1]), 3) if len(lags_ms) else None},
+        "lag_ms": _pcts(lag[mine] / 1000),
+        "publish_to_broker_append_ms": _pcts(to_broker),
+        "broker_append_to_applied_ms": _pcts(from_broker),
         "drained_s": lvl.get("drained_s"),
     }
+
+
+async def _create_topic(bootstrap: str, topic: str) -> None:
+    """LogAppendTime: record timestamps become the broker's append time, which splits the lag
+    into publisher side and consumer side (kvwire itself reads only EventBatch.ts_us)."""
+    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topic, PARTITIONS, 1, topic_configs={"message.timestamp.type": "LogAppendTime"})])
+    finally:
+        await admin.close()
 
 
 def run(bootstrap: str, rates: list[int], seconds: float) -> dict:
     ctx = mp.get_context("spawn")
     topic = f"bench-lag-{uuid.uuid4().hex[:8]}"
     cmds, results = ctx.Queue(), ctx.Queue()
+    asyncio.run(_create_topic(bootstrap, topic))
     pub = ctx.Process(target=_publisher_main, args=(bootstrap, topic, cmds, results), daemon=True)
     pub.start()
     first = results.get(timeout=120)
@@ -247,7 +281,7 @@ def run(bootstrap: str, rates: list[int], seconds: float) -> dict:
                 p.terminate()
     d = np.load(out)
     at, lag = d["at"], d["lag"]
-    rows = [_level_stats(lvl, at, lag) for lvl in levels]
+    rows = [_level_stats(lvl, at, lag, d["append_ms"]) for lvl in levels]
     sat = next((r for r in rows if r["applied_over_offered"] is not None and r["applied_over_offered"] < SATURATED), None)
     ok = [r for r in rows if r is not sat and r["applied_over_offered"] is not None and r["applied_over_offered"] >= SATURATED]
     top = max(ok, key=lambda r: r["offered_records_per_s"]) if ok else None
