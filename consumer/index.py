@@ -43,8 +43,11 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
+import struct
+
 import msgspec
 import numpy as np
+import xxhash
 
 from schemas.events import CPU, GPU, STORAGE, BlockRemoved, BlockStored, WorkerId
 
@@ -461,6 +464,101 @@ class PrefixIndex:
         out.sort(key=_rank_key)
         return out
 
+    # ------------------------------------------------------------ snapshots
+
+    def export_workers(self, workers: Iterable[tuple[str, int]]) -> bytes:
+        """The R-table entries of these workers' ranks (engine hash, key,
+        refcount|flags) plus what names them, as one blob for ``import_workers``.
+
+        Layout: ``b"KVWI" | u16 version | u16 0 | u32 header length | msgpack
+        header | pad to 8 | u64 engine hashes | u64 keys | u16 metas``; the
+        header lists tables as (instance_id, dp_rank, tp_size, tp_rank, medium,
+        group, entries, unknown_removes, duplicate_stores) in array order. S is
+        not exported: it is derived (one count per entry), and rebuilding it
+        costs about what reading it would.
+        """
+        tables, ehs, keys, metas = [], [], [], []
+        for w in sorted({tuple(w) for w in workers}):
+            wk = self._workers.get(w)
+            if wk is None:
+                continue
+            # Dict order, not sorted: a parent found in several of a worker's
+            # tables resolves to the first one, so order is part of the state.
+            for tp_rank, ts in wk.ranks.items():
+                for (mid, g), t in ts.items():
+                    live = np.flatnonzero(t.meta)
+                    tables.append([w[0], w[1], wk.tp_size, tp_rank, self._media_names[mid], g, int(live.shape[0]),
+                                   int(t.st[T.ST_UNKNOWN]), int(t.st[T.ST_DUPS])])
+                    ehs.append(t.eh[live])
+                    keys.append(t.key[live])
+                    metas.append(t.meta[live])
+        head = msgspec.msgpack.encode({"block_sizes": sorted(self._block_sizes), "tables": tables})
+        pad = -(_EXPORT_HEAD.size + len(head)) % 8  # aligned arrays: numba reads them in place
+        parts = [_EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, 0, len(head)), head, b"\0" * pad]
+        for arrs, dt in ((ehs, np.uint64), (keys, np.uint64), (metas, np.uint16)):
+            parts.append((np.concatenate(arrs) if arrs else np.zeros(0, dt)).tobytes())
+        return b"".join(parts)
+
+    def import_workers(self, blob: bytes) -> int:
+        """Install what ``export_workers`` wrote; returns the entries imported.
+
+        Workers in the blob must not be in this index (drop them first): the
+        entries are added, not merged. Raises ``ValueError`` for a blob that
+        does not parse; the caller then discards the index state it touched.
+        """
+        mv = memoryview(blob)
+        hs = _EXPORT_HEAD.size
+        if len(mv) < hs:
+            raise ValueError("index blob truncated")
+        magic, version, _, hlen = _EXPORT_HEAD.unpack_from(mv)
+        if magic != _EXPORT_MAGIC or version != _EXPORT_VERSION:
+            raise ValueError(f"not an index blob of version {_EXPORT_VERSION}")
+        try:
+            head = msgspec.msgpack.decode(mv[hs : hs + hlen])
+            tables = head["tables"]
+            block_sizes = [int(b) for b in head["block_sizes"]]
+            n = sum(int(t[6]) for t in tables)
+        except (msgspec.DecodeError, KeyError, TypeError, IndexError, ValueError) as e:
+            raise ValueError(f"index blob header: {e}") from None
+        off = hs + hlen + (-(hs + hlen) % 8)
+        if len(mv) != off + n * 18:
+            raise ValueError(f"index blob is {len(mv)} bytes, expected {off + n * 18}")
+        eh_all = np.frombuffer(mv, np.uint64, n, off)
+        key_all = np.frombuffer(mv, np.uint64, n, off + 8 * n)
+        meta_all = np.frombuffer(mv, np.uint16, n, off + 16 * n)
+        self._s_reserve(n)
+        self._block_sizes.update(b for b in block_sizes if b > 0)
+        i = 0
+        for inst, dp, tp_size, tp_rank, medium, g, cnt, unknown, dups in tables:
+            t = self._table(WorkerId(str(inst), int(dp), int(tp_rank), int(tp_size)), medium, int(g))
+            t.reserve(int(t.st[T.ST_COUNT]) + cnt)
+            ok = T.r_import(t.eh, t.key, t.meta, t.st, self.s_key, self.s_meta, self.s_st, self.rm_wm, self.wm_tp,
+                            self.wm_blocks, t.rm, eh_all[i : i + cnt], key_all[i : i + cnt], meta_all[i : i + cnt])
+            if not ok:
+                raise ValueError(f"index blob: inconsistent entries for {inst}/{dp} rank {tp_rank}")
+            t.st[T.ST_UNKNOWN] += unknown
+            t.st[T.ST_DUPS] += dups
+            i += cnt
+        return n
+
+    def digest(self, workers: Iterable[tuple[str, int]] | None = None) -> str:
+        """Hex digest of the set of holder-blocks (worker, medium, key): equal
+        for two indexes holding the same blocks, whatever their history, table
+        capacity or insertion order. ``workers`` restricts it to those."""
+        n = self._n_wm
+        seeds = np.zeros(max(n, 1), np.uint64)
+        only = None if workers is None else {tuple(w) for w in workers}
+        for wm in range(n):
+            inst, dp = self._worker_list[int(self.wm_worker[wm])].key
+            if only is not None and (inst, dp) not in only:
+                continue
+            name = msgspec.msgpack.encode([inst, dp, self._media_names[int(self.wm_medium[wm])]])
+            seeds[wm] = xxhash.xxh3_64_intdigest(name) | 1  # 0 marks an excluded wm
+        out = np.zeros(2, np.uint64)
+        if n:
+            T.digest(self.s_key, self.s_meta, self.rm_wm, self.wm_tp, seeds, out)
+        return f"{int(out[0]):016x}{int(out[1]):016x}"
+
     # ------------------------------------------------------------ stats
 
     def workers(self) -> dict[tuple[str, int], WorkerStats]:
@@ -529,6 +627,9 @@ _NO_TOKENS = np.zeros(0, np.uint32)
 _NO_CTX = np.zeros(1, np.uint64)
 _ROOT_KEYS = np.array([ROOT], np.uint64)
 _U0 = np.uint64(0)
+_EXPORT_MAGIC = b"KVWI"
+_EXPORT_VERSION = 1
+_EXPORT_HEAD = struct.Struct("<4sHHI")
 _UROOT = np.uint64(ROOT)
 
 __all__ = ["DEFAULT_WEIGHTS", "IndexOverflow", "MalformedEvent", "PrefixIndex", "WorkerScore", "WorkerStats", "normalize_medium"]

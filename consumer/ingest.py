@@ -118,6 +118,10 @@ class IndexMember:
             log.warning("final commit failed: %r", e)
         if self.snapshots is not None:
             await self._write_snapshots(self.assigned)
+            try:
+                await self.snapshots.close()
+            except Exception as e:
+                log.warning("snapshot store close failed: %r", e)
         for c in (self._consumer, self._producer):
             if c is not None:
                 try:
@@ -167,6 +171,14 @@ class IndexMember:
         # /healthz must never say 200 in the window while we are still seeking.
         self._ready = False
         self._assigning = True
+        c = self._consumer
+        # aiokafka installs the assignment before calling us, so it is already
+        # fetching while we await the snapshot store; records it hands to _run
+        # now are dropped (not yet assigned) and would move the position past
+        # what our seek set. Paused partitions hand out nothing.
+        held = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
+        if held:
+            c.pause(*held)
         try:
             gone = (self._pending_revoke | self.assigned) - partitions
             if gone:
@@ -183,7 +195,7 @@ class IndexMember:
             for tp in tps:
                 p = tp.partition
                 if p in new:
-                    start = await self._restore(p, begins[tp])
+                    start = await self._restore(p, begins[tp], ends.get(tp))
                     c.seek(tp, start)
                     self.applier.positions[p] = start
                 else:
@@ -193,13 +205,15 @@ class IndexMember:
             self.assigned = set(partitions)
         finally:
             self._assigning = False
+            if held:
+                c.resume(*held)
         log.info("member %s assigned %s (new %s, dropped %s)", self.group_id, sorted(partitions), sorted(new), sorted(gone))
 
-    async def _restore(self, partition: int, log_start: int) -> int:
+    async def _restore(self, partition: int, log_start: int, log_end: int | None = None) -> int:
         """Where to start reading a newly assigned partition (snapshot or log start)."""
         if self.snapshots is None:
             return log_start
-        return await self.snapshots.restore(self.applier, self.config.topic, partition, log_start)
+        return await self.snapshots.restore(self.applier, self.config.topic, partition, log_start, log_end)
 
     async def _write_snapshots(self, partitions) -> None:
         for p in sorted(partitions):

@@ -436,3 +436,77 @@ def score(
             bestw[w] = -1.0
         if nw == 0:
             break
+
+
+# ---------------------------------------------------------------- snapshots, digest
+
+
+@njit(cache=True)
+def r_import(
+    r_eh, r_key, r_meta, r_st,
+    s_key, s_meta, s_st,
+    rm_wm, wm_tp, wm_blocks,
+    rm, ehs, keys, metas,
+):
+    """Re-insert exported entries of one R table (refcounts and flags kept) and
+    count each once in S, as ``store`` would have. Capacity is the caller's job.
+    Returns False on a duplicate engine hash or an S count ceiling: the blob is
+    not one ``export`` wrote, and the caller must not trust what was applied."""
+    cap = r_eh.shape[0]
+    for i in range(ehs.shape[0]):
+        eh = ehs[i]
+        j = _home(eh, cap)
+        while r_meta[j] != 0:
+            if r_eh[j] == eh:
+                return False
+            j += 1
+            if j == cap:
+                j = 0
+        m = metas[i]
+        if (m & REF_MASK) == 0:
+            return False
+        if not s_inc(s_key, s_meta, s_st, keys[i], rm, rm_wm, wm_tp, wm_blocks):
+            return False
+        r_eh[j] = eh
+        r_key[j] = keys[i]
+        r_meta[j] = m
+        r_st[ST_COUNT] += 1
+        if (m & ORPHAN) != 0:
+            r_st[ST_ORPHANS] += 1
+    return True
+
+
+@njit(cache=True)
+def digest(s_key, s_meta, rm_wm, wm_tp, wm_seed, out):
+    """out = (sum mod 2^64 of xxh3(key, seed = wm_seed[wm]), count) over the
+    holder-blocks (key, wm). Each (key, wm) is taken at its first slot in run
+    order, as in ``recount``, so the result depends only on the set of
+    holder-blocks, not on slot positions, capacity or insertion order."""
+    cap = s_key.shape[0]
+    W = np.empty(25, dtype=np.uint64)
+    buf = np.empty(2, dtype=np.uint32)
+    total = U64(0)
+    n = 0
+    for i in range(cap):
+        if s_meta[i] == 0:
+            continue
+        key = s_key[i]
+        wm = rm_wm[(np.int64(s_meta[i]) >> CNT_BITS) - 1]
+        if wm_seed[wm] == U64(0):
+            continue  # a (worker, medium) the caller excluded
+        j = _home(key, cap)
+        first = True
+        while j != i:
+            if s_meta[j] != 0 and s_key[j] == key and rm_wm[(np.int64(s_meta[j]) >> CNT_BITS) - 1] == wm:
+                first = False
+                break
+            j += 1
+            if j == cap:
+                j = 0
+        if first and _s_run_count(s_key, s_meta, key, wm, rm_wm) >= max(wm_tp[wm], 1):
+            buf[0] = np.uint32(key & U64(0xFFFFFFFF))
+            buf[1] = np.uint32(key >> U64(32))
+            total += xxh3_64(buf, 0, 8, wm_seed[wm], W)
+            n += 1
+    out[0] = total
+    out[1] = U64(n)

@@ -21,16 +21,20 @@ def index(
     heartbeat_timeout: float = typer.Option(60.0, "--heartbeat-timeout", help="Seconds of silence after which a worker is expired"),
     snapshot_dir: Optional[str] = typer.Option(None, "--snapshot-dir", help="Store snapshots in this directory instead of the <topic>.snapshots topic"),
     snapshots: bool = typer.Option(True, "--snapshots/--no-snapshots", help="Cold start from snapshots and write them periodically"),
+    snapshot_interval: float = typer.Option(60.0, "--snapshot-interval", help="Seconds between snapshots of a partition (the topic's retention must cover it, see consumer/snapshot.py)"),
+    snapshot_records: int = typer.Option(200_000, "--snapshot-records", help="Also snapshot a partition after this many of its records"),
     max_tokens: int = typer.Option(256 * 1024, "--max-tokens", help="Largest prompt /v1/score accepts (413 above)"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Build a prefix-cache index from the topic and serve it over HTTP."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, _, port = http.rpartition(":")
-    asyncio.run(_run(bootstrap_servers, topic, group, host or "127.0.0.1", int(port), peer, heartbeat_timeout, snapshot_dir, snapshots, max_tokens))
+    asyncio.run(_run(bootstrap_servers, topic, group, host or "127.0.0.1", int(port), peer, heartbeat_timeout, snapshot_dir, snapshots, max_tokens,
+                     snapshot_interval, snapshot_records))
 
 
-async def _run(bootstrap, topic, group, host, port, peers, heartbeat_timeout, snapshot_dir, use_snapshots, max_tokens) -> None:
+async def _run(bootstrap, topic, group, host, port, peers, heartbeat_timeout, snapshot_dir, use_snapshots, max_tokens,
+               snapshot_interval=60.0, snapshot_records=200_000) -> None:
     from consumer.http import make_app, serve
     from consumer.ingest import IndexMember, IngestConfig
 
@@ -40,7 +44,8 @@ async def _run(bootstrap, topic, group, host, port, peers, heartbeat_timeout, sn
     if use_snapshots:
         from consumer.snapshot import snapshot_store
 
-        store = snapshot_store(bootstrap, topic, directory=snapshot_dir, client_options=opts)
+        store = snapshot_store(bootstrap, topic, directory=snapshot_dir, client_options=opts,
+                               interval_s=snapshot_interval, every_records=snapshot_records)
     member = IndexMember(cfg, snapshots=store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

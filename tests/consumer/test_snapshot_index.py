@@ -1,0 +1,149 @@
+"""PrefixIndex.export_workers / import_workers / digest: a snapshot of some
+workers, loaded anywhere, is the same index (blocks, stats, later removals),
+and the digest sees only the set of holder-blocks."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from consumer.index import PrefixIndex
+from schemas.events import BlockRemoved, WorkerId, stored
+
+RANKS = [WorkerId("a", 0), WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2), WorkerId("c", 1), WorkerId("d", 0, 0, 1)]
+MEDIA = ["GPU", "cpu", "STORAGE", "nvme"]
+
+
+def random_ops(rng: random.Random, n: int):
+    """Stores with parents (known, unknown: orphans), duplicates, engine-hash
+    mode, several media and groups, removals (known and unknown), clears."""
+    seqs = [[rng.randrange(50_000) for _ in range(16 * 8)] for _ in range(6)]
+    ops = []
+    for _ in range(n):
+        r = rng.choice(RANKS)
+        s = rng.randrange(len(seqs))
+        bs = rng.choice([16, 16, 8, 0])
+        med, grp = rng.choice(MEDIA), rng.choice([None, None, 1])
+        a = rng.randrange(0, 6)
+        b = rng.randrange(a + 1, 8)
+        hs = [s * 1000 + (bs or 3) * 100 + i for i in range(a, b)]
+        x = rng.random()
+        if x < 0.6:
+            toks = seqs[s][a * (bs or 1) : b * (bs or 1)] if bs else []
+            parent = s * 1000 + (bs or 3) * 100 + a - 1 if a and rng.random() < 0.8 else (rng.randrange(1 << 40) if a else None)
+            ops.append(("store", r, stored(hs, toks, bs, parent_block_hash=parent, medium=med, group_idx=grp)))
+        elif x < 0.95:
+            ops.append(("remove", r, BlockRemoved(tuple(hs + [rng.randrange(1 << 63)]), medium=med, group_idx=grp)))
+        else:
+            ops.append(("clear", r))
+    return ops
+
+
+def build(ops, capacity=0):
+    ix = PrefixIndex(capacity=capacity)
+    for name, *args in ops:
+        getattr(ix, name)(*args)
+    return ix
+
+
+def reference_digest(ix: PrefixIndex, workers=None) -> str:
+    total, n = 0, 0
+    for (worker, medium), keys in ix.holder_blocks().items():
+        if workers is not None and worker not in workers:
+            continue
+        seed = xxhash.xxh3_64_intdigest(msgspec.msgpack.encode([worker[0], worker[1], medium])) | 1
+        for k in keys:
+            total += xxhash.xxh3_64_intdigest(k.to_bytes(8, "little"), seed=seed)
+            n += 1
+    return f"{total % 2**64:016x}{n:016x}"
+
+
+def per_worker(ix: PrefixIndex, workers):
+    hb = {k: v for k, v in ix.holder_blocks().items() if k[0] in workers}
+    stats = {w: s for w, s in ix.workers().items() if w in workers}
+    return hb, stats
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32), st.integers(1, 250))
+def test_export_import_is_the_same_index(seed, n):
+    rng = random.Random(seed)
+    ops = random_ops(rng, n)
+    src = build(ops)
+    moved = {("b", 0), ("c", 1)} if rng.random() < 0.5 else {w.worker for w in RANKS}
+    # The target already holds other workers: import must add to it, not replace it.
+    others = [op for op in random_ops(random.Random(seed + 1), 40) if op[1].worker not in moved]
+    dst = build(others)
+    before = per_worker(dst, {w.worker for w in RANKS} - moved)
+    dst.import_workers(src.export_workers(moved))
+    assert per_worker(dst, moved) == per_worker(src, moved)
+    assert per_worker(dst, {w.worker for w in RANKS} - moved) == before
+    assert dst.digest(moved) == src.digest(moved) == reference_digest(src, moved)
+    assert dst.digest() == reference_digest(dst)
+    assert set(src.block_sizes()) <= set(dst.block_sizes())
+    # What comes after the snapshot (the log's tail) applies the same way to both.
+    tail = [op for op in random_ops(random.Random(seed + 2), 60) if op[1].worker in moved]
+    for name, *args in tail:
+        getattr(src, name)(*args)
+        getattr(dst, name)(*args)
+    assert per_worker(dst, moved) == per_worker(src, moved)
+    for q in ([int(x) for x in range(64)],):
+        assert [s for s in dst.score(q) if (s.instance_id, s.dp_rank) in moved] == [
+            s for s in src.score(q) if (s.instance_id, s.dp_rank) in moved]
+
+
+def test_digest_ignores_history_capacity_and_order():
+    ops = random_ops(random.Random(7), 300)
+    a = build(ops)
+    b = build(ops, capacity=1 << 16)
+    assert a.s_key.shape != b.s_key.shape
+    assert a.digest() == b.digest() == reference_digest(a)
+    # Same holder-blocks reached another way: a fresh index importing them.
+    c = PrefixIndex()
+    c.import_workers(a.export_workers({w.worker for w in RANKS}))
+    assert c.digest() == a.digest()
+    # Store order within and across workers does not matter.
+    stores = [op for op in ops if op[0] == "store" and op[2].parent_block_hash is None]
+    fwd, rev = build(stores), build(list(reversed(stores)))
+    assert fwd.holder_blocks() == rev.holder_blocks() and fwd.digest() == rev.digest()
+    # Any change to the held set changes it.
+    w = next(iter(a.holder_blocks()))
+    d = build(ops)
+    d.drop_worker(w[0])
+    assert d.digest() != a.digest()
+    assert PrefixIndex().digest() == f"{0:016x}{0:016x}"
+
+
+def test_tp_worker_counts_only_blocks_all_ranks_hold_after_import():
+    b0, b1 = WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2)
+    ix = PrefixIndex()
+    ix.store(b0, stored([1, 2, 3], range(48), 16))
+    ix.store(b1, stored([1, 2], range(32), 16))
+    dst = PrefixIndex()
+    dst.import_workers(ix.export_workers([("b", 0)]))
+    assert len(dst) == len(ix) == 2
+    dst.store(b1, stored([3], range(32, 48), 16, parent_block_hash=2))
+    assert len(dst) == 3 and dst.score(list(range(48)))[0].matched_tokens == 48
+
+
+@pytest.mark.parametrize("cut", [0, 5, 12, 40, -1])
+def test_damaged_blob_raises_value_error(cut):
+    ix = build(random_ops(random.Random(3), 100))
+    blob = ix.export_workers({w.worker for w in RANKS})
+    with pytest.raises(ValueError):
+        PrefixIndex().import_workers(blob[:cut])
+
+
+def test_duplicate_entries_are_refused():
+    ix = PrefixIndex()
+    ix.store(RANKS[0], stored([1, 2], range(32), 16))
+    blob = ix.export_workers([("a", 0)])
+    dst = PrefixIndex()
+    dst.import_workers(blob)
+    with pytest.raises(ValueError):
+        dst.import_workers(blob)  # same workers again: not a blob export wrote for this index
