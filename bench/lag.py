@@ -120,7 +120,7 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
 # ------------------------------------------------------------------ index member process
 
 
-def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str) -> None:
+def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str, fetch_max_wait_ms: int) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
@@ -166,7 +166,8 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
     async def main() -> None:
         warm()
         m = Recording()
-        member = IndexMember(IngestConfig(bootstrap_servers=bootstrap, topic=topic), StampingApplier(metrics=m))
+        member = IndexMember(IngestConfig(bootstrap_servers=bootstrap, topic=topic, fetch_max_wait_ms=fetch_max_wait_ms),
+                             StampingApplier(metrics=m))
         await member.start()
         while not member.ready:
             await asyncio.sleep(0.05)
@@ -234,7 +235,7 @@ async def _create_topic(bootstrap: str, topic: str) -> None:
         await admin.close()
 
 
-def run(bootstrap: str, rates: list[int], seconds: float) -> dict:
+def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int = 10) -> dict:
     ctx = mp.get_context("spawn")
     topic = f"bench-lag-{uuid.uuid4().hex[:8]}"
     cmds, results = ctx.Queue(), ctx.Queue()
@@ -244,7 +245,8 @@ def run(bootstrap: str, rates: list[int], seconds: float) -> dict:
     first = results.get(timeout=120)
     applied, ready, stop = ctx.Value("q", 0, lock=False), ctx.Event(), ctx.Event()
     out = os.path.join(tempfile.mkdtemp(prefix="kvwire-lag-"), "samples.npz")
-    mem = ctx.Process(target=_member_main, args=(bootstrap, topic, applied, ready, stop, out), daemon=True)
+    mem = ctx.Process(target=_member_main, args=(bootstrap, topic, applied, ready, stop, out, fetch_max_wait_ms),
+                      daemon=True)
     mem.start()
     levels = []
     try:
@@ -288,7 +290,7 @@ def run(bootstrap: str, rates: list[int], seconds: float) -> dict:
     return {
         "what": "record timestamp (publish() call) -> applied in the index member, milliseconds",
         "params": {"workers": WORKERS, "partitions": PARTITIONS, "blocks_per_record": BLOCKS_PER_RECORD,
-                   "seconds_per_level": seconds, "fetch_max_wait_ms": 10,
+                   "seconds_per_level": seconds, "fetch_max_wait_ms": fetch_max_wait_ms,
                    "processes": "publisher, index member and conductor are separate processes; the broker shares the machine"},
         "levels": rows,
         "saturated_at_offered_blocks_per_s": sat["offered_blocks_per_s"] if sat else None,
@@ -304,6 +306,7 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rates", type=int, nargs="*", default=None, help="offered records/s per level (16 blocks each)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per level")
+    ap.add_argument("--fetch-max-wait-ms", type=int, default=10, help="the member's (IndexMember default: 10)")
     ap.add_argument("--bootstrap", default=None)
     a = ap.parse_args(argv)
     bootstrap = a.bootstrap
@@ -314,7 +317,7 @@ def main(argv=None) -> None:
     rates = a.rates or ([250, 1000, 3000, 6000, 10000, 16000] if a.quick
                         else [250, 500, 1000, 2000, 3000, 4500, 6000, 8000, 10000, 13000, 16000, 20000])
     seconds = a.seconds or (3.0 if a.quick else 6.0)
-    res = run(bootstrap, rates, seconds)
+    res = run(bootstrap, rates, seconds, a.fetch_max_wait_ms)
     for r in res["levels"]:
         print(f"offered {r['offered_blocks_per_s']:>9,} blocks/s  applied {r['applied_blocks_per_s']:>9,}  "
               f"({r['applied_over_offered']})  lag p50 {r['lag_ms']['p50']} p99 {r['lag_ms']['p99']} ms")
