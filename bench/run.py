@@ -58,7 +58,13 @@ def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
         ("lag", ["-m", "bench.lag", *b, *(["--rates", "200", "400", "--seconds", "1"] if tiny else q)], 900),
     ]
     if importlib.util.find_spec("bench.replay") is not None:
-        out.append(("replay", ["-m", "bench.replay", *q], 1200))
+        # bench/replay.py has no size option below --quick's 1M; the smoke run drives one tiny size.
+        smoke = ("import asyncio, sys, tempfile; from bench import replay as r; from bench.common import write_result\n"
+                 "with tempfile.TemporaryDirectory() as t: row = asyncio.run(r.run_size(sys.argv[1], 20000, t))\n"
+                 "write_result('replay', {'0.02M': row, 'replay_blocks_per_s': row['replay_blocks_per_s'], "
+                 "'cold_start_s_per_million_blocks': row['cold_start_s_per_million_blocks']})")
+        out.append(("replay", ["-c", smoke, bootstrap] if tiny
+                    else ["-m", "bench.replay", *q, "--bootstrap-servers", bootstrap], 1800))
     return out
 
 

@@ -3,6 +3,7 @@ summary key. No timed assertions: speed lives in bench/results, not in tests."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -32,8 +33,12 @@ def test_bench_smoke_writes_every_summary_key(kafka_bootstrap, tmp_path):
         if v is None:
             assert k in notes and notes[k].startswith("null:"), (k, notes)
     # every step's JSON and each curve's plot landed in the results folder
-    for name in ("codec", "publish_cost", "index_memory", "apply_rate", "score_latency", "lag"):
+    steps = ["codec", "publish_cost", "index_memory", "apply_rate", "score_latency", "lag"]
+    if importlib.util.find_spec("bench.replay") is not None:
+        steps.append("replay")
+    for name in steps:
         assert (tmp_path / f"{name}.json").exists(), name
+    assert (tmp_path / "table.md").read_text().count("\n|") >= 8
     for png in ("lag", "score_latency", "apply_rate", "publish_cost", "codec", "index_memory"):
         assert (tmp_path / f"{png}.png").stat().st_size > 0, png
 
