@@ -257,7 +257,13 @@ class IndexMember:
     async def _flush_and_commit(self, force: bool = False) -> None:
         dead = self.applier.take_dead_letters()
         if dead:
-            await self._send_dead_letters(dead)
+            try:
+                await self._send_dead_letters(dead)
+            except BaseException:
+                # Not all delivered: keep them for the next flush (a retry may duplicate some in
+                # the DLQ, never lose one) and do not commit past them.
+                self.applier.dead_letters[:0] = dead
+                raise
         now = time.monotonic()
         if not force and now - self._last_commit < self.config.commit_interval_s:
             return
@@ -282,7 +288,11 @@ class IndexMember:
                 ("kvwire-source-timestamp", str(d.timestamp_ms).encode()),
             ]
             futs.append(
-                await self._producer.send(self.config.resolved_dlq(), d.value, key=d.key, headers=headers)
+                # A null-key tombstone is a legal record that our client refuses to write back:
+                # an empty key (the source coordinates are in the headers anyway).
+                await self._producer.send(self.config.resolved_dlq(), d.value,
+                                          key=d.key if d.key is not None or d.value is not None else b"",
+                                          headers=headers)
             )
         # the commit that passes these offsets waits for the dead letters to land
         await asyncio.gather(*futs)
