@@ -58,7 +58,14 @@ def _scores_json(scores) -> list[dict]:
     ]
 
 
+MAX_ERROR_CHARS = 512
+
+
 def _error(status: int, message: str) -> web.Response:
+    # msgspec quotes offending input in its messages (an unknown field's whole name): capped, or
+    # a body of one long key gets itself echoed back, up to max_body_bytes.
+    if len(message) > MAX_ERROR_CHARS:
+        message = message[:MAX_ERROR_CHARS] + "... (truncated)"
     return web.Response(status=status, body=_json.encode({"error": message}), content_type="application/json")
 
 
