@@ -61,7 +61,7 @@ def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
         # bench/replay.py has no size option below --quick's 1M; the smoke run drives one tiny size.
         smoke = ("import asyncio, sys, tempfile; from bench import replay as r; from bench.common import write_result\n"
                  "with tempfile.TemporaryDirectory() as t: row = asyncio.run(r.run_size(sys.argv[1], 20000, t))\n"
-                 "write_result('replay', {'0.02M': row, 'replay_blocks_per_s': row['replay_blocks_per_s'], "
+                 "write_result('replay', {'smoke_20k': row, 'replay_blocks_per_s': row['replay_blocks_per_s'], "
                  "'cold_start_s_per_million_blocks': row['cold_start_s_per_million_blocks']})")
         out.append(("replay", ["-c", smoke, bootstrap] if tiny
                     else ["-m", "bench.replay", *q, "--bootstrap-servers", bootstrap], 1800))
@@ -167,6 +167,9 @@ def summarize(res: dict, errors: dict) -> dict:
     if r:
         s["replay_blocks_per_s"] = _find(r, "replay_blocks_per_s", "blocks_per_s")
         s["cold_start_s_per_million_blocks"] = _find(r, "cold_start_s_per_million_blocks", "s_per_million_blocks")
+        sizes = sorted(k for k, v in r.items() if isinstance(v, dict) and "holder_blocks" in v)
+        notes["replay"] = (f"bench/replay.py headline (its largest size; sizes in replay.json: {', '.join(sizes)}; "
+                           "a --quick run keeps an earlier full run's 10M row)")
         for k in rk:
             if s[k] is None:
                 notes[k] = "null: bench/replay.py wrote no such figure"
@@ -239,6 +242,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.results:
         os.environ["KVWIRE_BENCH_RESULTS"] = str(Path(a.results).resolve())
+    elif a.smoke and not os.environ.get("KVWIRE_BENCH_RESULTS"):  # tiny numbers must not replace real ones
+        import tempfile
+
+        os.environ["KVWIRE_BENCH_RESULTS"] = tempfile.mkdtemp(prefix="kvwire-bench-smoke-")
     from . import common
 
     RESULTS = Path(os.environ.get("KVWIRE_BENCH_RESULTS") or common.RESULTS)
