@@ -49,10 +49,10 @@ import msgspec
 import numpy as np
 import xxhash
 
-from schemas.events import CPU, GPU, STORAGE, BlockRemoved, BlockStored, WorkerId
+from schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, WorkerId
 
 from . import table as T
-from .keys import ROOT, block_contexts, engine_hash_u64, engine_hashes, engine_keys, orphan_root
+from .keys import ROOT, block_contexts, context_seed, engine_hash_u64, engine_hashes, engine_keys, orphan_root
 
 DEFAULT_WEIGHTS = {GPU: 1.0, CPU: 0.8, STORAGE: 0.5}
 _KNOWN_MEDIA = {GPU, CPU, STORAGE}
@@ -144,6 +144,61 @@ def _grown(a: np.ndarray, n: int, fill=0) -> np.ndarray:
     return b
 
 
+class _Segment:
+    """Consecutive events bound for one table, as the arrays ``table.apply_run`` takes."""
+
+    __slots__ = ("ops", "evu", "hashes", "toks", "blk_ctx", "nblk", "ntok", "stores")
+
+    def __init__(self):
+        self.ops: list[int] = []
+        self.evu: list[int] = []
+        self.hashes: list = []
+        self.toks: list = []
+        self.blk_ctx: list = []
+        self.nblk = 0
+        self.ntok = 0
+        self.stores = 0
+
+    def add(self, kind, hashes, n, bs, tokens, fl, ctx, peh, blk_ctx) -> None:
+        self.ops += (kind, self.nblk, n, bs, self.ntok, fl)
+        self.evu += (ctx, peh)
+        self.hashes += hashes
+        if blk_ctx is not None:
+            self.blk_ctx.append((self.nblk, blk_ctx))
+        if tokens is not None:
+            self.toks.append(tokens)
+            self.ntok += len(tokens)
+        self.nblk += n
+
+
+_CTX: dict[tuple[int, str | None], int] = {}
+
+
+def _ctx_seed(bs: int, lora_name: str | None) -> int:
+    c = _CTX.get((bs, lora_name))
+    if c is None:
+        c = context_seed(bs, lora_name)
+        if len(_CTX) < 4096:
+            _CTX[(bs, lora_name)] = c
+    return c
+
+
+_CTX_ARR: dict[tuple[int, str | None], np.ndarray] = {}
+
+
+def _ctx_array(bs: int, lora_name: str | None) -> np.ndarray:
+    """``block_contexts`` without extra keys, cached (read-only in the kernels)."""
+    c = _CTX_ARR.get((bs, lora_name))
+    if c is None:
+        c = np.array([_ctx_seed(bs, lora_name)], np.uint64)
+        if len(_CTX_ARR) < 4096:
+            _CTX_ARR[(bs, lora_name)] = c
+    return c
+
+
+_MASK64 = (1 << 64) - 1
+
+
 class PrefixIndex:
     """See the module docstring. Not thread-safe: one writer, queries between writes."""
 
@@ -171,6 +226,8 @@ class PrefixIndex:
         self._tables: dict[tuple, tuple[_RTable, _Worker]] = {}  # (WorkerId, raw medium, group) -> table (a cache)
         self._block_sizes: set[int] = set()
         self._reserve_hint = 0
+        self._all = np.ones(0, np.bool_)
+        self._nr = np.zeros(0, np.int64)
 
     # ------------------------------------------------------------ registry
 
@@ -262,41 +319,122 @@ class PrefixIndex:
     # ------------------------------------------------------------ writes
 
     def store(self, rank: WorkerId, event: BlockStored) -> None:
-        hashes = event.block_hashes
-        n = len(hashes)
-        if n == 0:
-            return
-        tokens = event.token_ids
-        bs = event.block_size
-        if bs <= 0 or len(tokens) == 0:
-            bs = 0
-            tok = _NO_TOKENS
-            ctx = _NO_CTX
+        self.apply_batch(rank, (event,))
+
+    def apply_batch(self, rank: WorkerId, events: Iterable) -> int:
+        """Apply one rank's events in order (BlockStored, BlockRemoved,
+        AllBlocksCleared; anything else is ignored): the same result as
+        ``store``/``remove``/``clear`` one by one, errors included (events
+        before a malformed one or an overflow stay applied, later ones are not
+        applied). Returns the blocks the store and remove events named.
+
+        Consecutive events on one (medium, group) table go to the kernel in one
+        call: a record's events usually share a table, and per-call and
+        per-event Python costs, not the table work, bounded the apply rate."""
+        blocks = 0
+        seg = None
+        mk = None
+        t = None
+        for ev in events:
+            tp = type(ev)
+            if tp is BlockStored:
+                hashes = ev.block_hashes
+                n = len(hashes)
+                if n == 0:
+                    continue
+                tokens = ev.token_ids
+                bs = ev.block_size
+                fl = 0
+                ctx = 0
+                peh = 0
+                blk_ctx = None
+                if bs <= 0 or len(tokens) == 0:
+                    bs = 0
+                else:
+                    if len(tokens) != bs * n:
+                        if seg is not None:
+                            self._flush(rank, t, seg)
+                        raise MalformedEvent(f"{len(tokens)} token ids for {n} blocks of {bs}")
+                    if ev.extra_keys is None:
+                        ctx = _ctx_seed(bs, ev.lora_name)
+                    else:
+                        c = block_contexts(bs, ev.lora_name, ev.extra_keys, n)
+                        if c.shape[0] == 1:
+                            ctx = int(c[0])
+                        else:
+                            blk_ctx = c
+                            fl = T.F_BLKCTX
+                    if bs not in self._block_sizes:
+                        self._block_sizes.add(bs)
+                    parent = ev.parent_block_hash
+                    if parent is not None:
+                        fl |= T.F_PARENT
+                        peh = parent & _MASK64 if type(parent) is int else engine_hash_u64(parent)
+                key = (ev.medium, ev.group_idx)
+                if key != mk or seg is None:
+                    if seg is not None:
+                        self._flush(rank, t, seg)
+                    t = self._table(rank, ev.medium, ev.group_idx)
+                    mk = key
+                    seg = _Segment()
+                seg.add(T.KIND_STORE, hashes, n, bs, tokens if bs else None, fl, ctx, peh, blk_ctx)
+                seg.stores += n
+                blocks += n
+            elif tp is BlockRemoved:
+                hashes = ev.block_hashes
+                n = len(hashes)
+                if n == 0:
+                    continue
+                key = (ev.medium, ev.group_idx)
+                if key != mk or seg is None:
+                    if seg is not None:
+                        self._flush(rank, t, seg)
+                    t = self._table(rank, ev.medium, ev.group_idx)
+                    mk = key
+                    seg = _Segment()
+                seg.add(T.KIND_REMOVE, hashes, n, 0, None, 0, 0, 0, None)
+                blocks += n
+            elif tp is AllBlocksCleared:
+                if seg is not None:
+                    self._flush(rank, t, seg)
+                    seg = None
+                self.clear(rank)
+        if seg is not None:
+            self._flush(rank, t, seg)
+        return blocks
+
+    def _flush(self, rank: WorkerId, t: _RTable, seg: "_Segment") -> None:
+        if seg.stores:
+            if int(t.st[T.ST_COUNT]) + seg.stores > t.limit:
+                t.reserve(int(t.st[T.ST_COUNT]) + seg.stores)
+            if int(self.s_st[T.ST_COUNT]) + seg.stores > self._s_limit:
+                self._s_reserve(seg.stores)
+        ehs = engine_hashes(seg.hashes)
+        tok = np.frombuffer(b"".join(seg.toks), np.uint32) if seg.toks else _NO_TOKENS
+        ops = np.array(seg.ops, np.int64).reshape(-1, T.OP_COLS)
+        evu = np.array(seg.evu, np.uint64).reshape(-1, 2)
+        if seg.blk_ctx:
+            bc = np.zeros(seg.nblk, np.uint64)
+            for off, c in seg.blk_ctx:
+                bc[off : off + c.shape[0]] = c
         else:
-            if len(tokens) != bs * n:
-                raise MalformedEvent(f"{len(tokens)} token ids for {n} blocks of {bs}")
-            tok = np.frombuffer(tokens, np.uint32)
-            ctx = block_contexts(bs, event.lora_name, event.extra_keys, n)
-            if bs not in self._block_sizes:
-                self._block_sizes.add(bs)
-        t = self._table(rank, event.medium, event.group_idx)
-        ehs = engine_hashes(hashes)
-        if int(t.st[T.ST_COUNT]) + n > t.limit:
-            t.reserve(int(t.st[T.ST_COUNT]) + n)
-        if int(self.s_st[T.ST_COUNT]) + n > self._s_limit:
-            self._s_reserve(n)
-        parent = event.parent_block_hash
-        args = (t.eh, t.key, t.meta, t.st, self.s_key, self.s_meta, self.s_st, self.rm_wm, self.wm_tp, self.wm_blocks, t.rm, ehs, tok, bs, ctx)
-        if parent is None or bs == 0:
-            status = T.store(*args, False, _U0, _UROOT, False)
-        else:
-            peh = engine_hash_u64(parent)
-            status = T.store(*args, True, np.uint64(peh), _U0, False)
+            bc = _NO_CTX
+        ctl = np.array([t.rm, 0, 0, 0, 0, 0], np.int64)
+        while True:
+            T.apply_run(t.eh, t.key, t.meta, t.st, self.s_key, self.s_meta, self.s_st, self.rm_wm, self.wm_tp,
+                        self.wm_blocks, ops, evu, ehs, tok, bc, ctl)
+            status = ctl[T.CTL_STATUS]
             if status == T.NEED_PARENT:
-                pkey, orphan = self._resolve_parent(rank, t, peh)
-                status = T.store(*args, False, _U0, np.uint64(pkey), orphan)
-        if status == T.OVERFLOW:
-            raise IndexOverflow("reference count ceiling reached; some duplicates were not counted")
+                e = int(ctl[T.CTL_EVENT])
+                pkey, orphan = self._resolve_parent(rank, t, int(evu[e, 1]))
+                evu[e, 1] = pkey
+                ctl[T.CTL_START] = e
+                ctl[T.CTL_RESOLVED] = 1
+                ctl[T.CTL_ORPHAN] = orphan
+                continue
+            if status == T.OVERFLOW:
+                raise IndexOverflow("reference count ceiling reached; some duplicates were not counted")
+            return
 
     def _resolve_parent(self, rank: WorkerId, own: _RTable, peh: int) -> tuple[int, bool]:
         wk = self._workers[rank.worker]
@@ -314,10 +452,7 @@ class PrefixIndex:
         return orphan_root(peh), True
 
     def remove(self, rank: WorkerId, event: BlockRemoved) -> None:
-        if not event.block_hashes:
-            return
-        t = self._table(rank, event.medium, event.group_idx)
-        T.remove(t.eh, t.key, t.meta, t.st, self.s_key, self.s_meta, self.s_st, self.rm_wm, self.wm_tp, self.wm_blocks, t.rm, engine_hashes(event.block_hashes))
+        self.apply_batch(rank, (event,))
 
     def clear(self, rank: WorkerId) -> None:
         """AllBlocksCleared: O(that rank's entries), counters kept."""
@@ -384,7 +519,7 @@ class PrefixIndex:
             n = tok.shape[0] // bs
             if n == 0:
                 continue
-            ctx = block_contexts(bs, lora_name, extra_keys, n)
+            ctx = _ctx_array(bs, lora_name) if extra_keys is None else block_contexts(bs, lora_name, extra_keys, n)
             res = self._run(tok, bs, n, ctx, _ROOT_KEYS, wmask, warr)
             best = res if best is None else _merge(best, res)
         return self._results(best)
@@ -422,7 +557,9 @@ class PrefixIndex:
     def _query_args(self, weights, workers):
         nw = len(self._worker_list)
         if workers is None:
-            wmask = np.ones(nw, np.bool_)
+            wmask = self._all
+            if wmask.shape[0] != nw:  # read-only in the kernel: one array serves every query
+                wmask = self._all = np.ones(nw, np.bool_)
         else:
             wmask = np.zeros(nw, np.bool_)
             for w in workers:
@@ -448,8 +585,14 @@ class PrefixIndex:
         hit = np.flatnonzero(run_w)
         if hit.shape[0] == 0:
             return []
-        # Bulk .tolist() conversions: per-element numpy scalar access costs
-        # ~1 us per worker, which dominated queries matching 100+ workers.
+        # Order in numpy (score, matched desc, then the worker's name rank) and
+        # build each result once, in that order: a Python sort with a key
+        # function and per-element numpy scalar access cost ~1-2 us per
+        # matched worker, which dominated queries matching 100+ workers.
+        run = run_w[hit]
+        sc = score_w[hit]
+        order = np.lexsort((self._name_ranks()[hit], -run, -sc))
+        hit, run, sc = hit[order], run[order], sc[order]
         hw = hit.tolist()
         by: dict[int, dict[str, int]] = {w: {} for w in hw}
         wms = np.flatnonzero(run_wm)
@@ -457,12 +600,19 @@ class PrefixIndex:
         for w, m, r in zip(self.wm_worker[wms].tolist(), self.wm_medium[wms].tolist(), run_wm[wms].tolist()):
             by[w][names[m]] = r
         wl = self._worker_list
-        out = [
-            WorkerScore(wl[w].key[0], wl[w].key[1], r, by[w], sc)
-            for w, r, sc in zip(hw, run_w[hit].tolist(), score_w[hit].astype(np.float64).tolist())
-        ]
-        out.sort(key=_rank_key)
-        return out
+        keys = [wl[w].key for w in hw]
+        return [WorkerScore(k[0], k[1], r, by[w], x) for k, w, r, x in zip(keys, hw, run.tolist(), sc.tolist())]
+
+    def _name_ranks(self) -> np.ndarray:
+        """Position of each worker in (instance_id, dp_rank) order, the results' tie-break."""
+        n = len(self._worker_list)
+        nr = self._nr
+        if nr.shape[0] != n:
+            keys = [wk.key for wk in self._worker_list]
+            nr = np.empty(n, np.int64)
+            nr[sorted(range(n), key=keys.__getitem__)] = np.arange(n)
+            self._nr = nr
+        return nr
 
     # ------------------------------------------------------------ snapshots
 

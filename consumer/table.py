@@ -29,7 +29,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .keys import ENGINE_NS, xxh3_64
+from .keys import ENGINE_NS, ROOT as _ROOT, xxh3_64
 
 U64 = np.uint64
 MAX_LOAD = 0.875
@@ -341,6 +341,124 @@ def store(
         if flags == ORPHAN:
             r_st[ST_ORPHANS] += 1
     return status
+
+
+# apply_run ops columns and flags
+OP_KIND, OP_BLK, OP_N, OP_BS, OP_TOK, OP_FLAGS = 0, 1, 2, 3, 4, 5
+OP_COLS = 6
+KIND_STORE, KIND_REMOVE = 0, 1
+F_PARENT, F_BLKCTX = 1, 2
+# apply_run ctl slots
+CTL_RM, CTL_START, CTL_RESOLVED, CTL_ORPHAN, CTL_STATUS, CTL_EVENT = 0, 1, 2, 3, 4, 5
+
+
+@njit(cache=True)
+def apply_run(
+    r_eh, r_key, r_meta, r_st,
+    s_key, s_meta, s_st,
+    rm_wm, wm_tp, wm_blocks,
+    ops, evu, ehs, tok, blk_ctx, ctl,
+):
+    """Apply consecutive BlockStored/BlockRemoved events of one rank x medium x
+    group table in one call (the per-call cost of a kernel with this many
+    array arguments is several microseconds: paying it once per record, not
+    once per event, is most of the apply rate).
+
+    ``ops[e]`` = (kind, first block in ``ehs``/``blk_ctx``, blocks, block
+    size, first token in ``tok``, flags); ``evu[e]`` = (context seed, parent
+    engine hash). Events run from ``ctl[CTL_START]``. A parent not in this
+    table stops the run with ``ctl[CTL_STATUS] = NEED_PARENT`` at
+    ``ctl[CTL_EVENT]`` (nothing of that event applied): the caller resolves it,
+    writes the parent's key into ``evu[e, 1]``, sets CTL_RESOLVED/CTL_ORPHAN
+    and CTL_START = e, and calls again. An event that hits a count ceiling is
+    finished and the run stops with OVERFLOW, as a sequence of ``store``
+    calls would stop at the one that raised. Capacity is the caller's job.
+    """
+    rm = ctl[CTL_RM]
+    W = np.empty(25, dtype=np.uint64)
+    cap = r_eh.shape[0]
+    ctl[CTL_STATUS] = OK
+    for e in range(ctl[CTL_START], ops.shape[0]):
+        off = ops[e, OP_BLK]
+        n = ops[e, OP_N]
+        if ops[e, OP_KIND] == KIND_REMOVE:
+            for i in range(off, off + n):
+                j = r_find(r_eh, r_meta, ehs[i])
+                if j < 0:
+                    r_st[ST_UNKNOWN] += 1
+                    continue
+                m = np.int64(r_meta[j])
+                if (m & REF_MASK) > 1:
+                    r_meta[j] = np.uint16(m - 1)
+                    continue
+                s_dec(s_key, s_meta, s_st, r_key[j], rm, rm_wm, wm_tp, wm_blocks)
+                if (m & ORPHAN) != 0:
+                    r_st[ST_ORPHANS] -= 1
+                r_st[ST_COUNT] -= 1
+                _r_delete(r_eh, r_key, r_meta, j)
+            continue
+        bs = ops[e, OP_BS]
+        fl = ops[e, OP_FLAGS]
+        flags = 0
+        key = U64(_ROOT)
+        if bs == 0:
+            flags = ENGINE
+        elif (fl & F_PARENT) != 0:
+            if e == ctl[CTL_START] and ctl[CTL_RESOLVED] != 0:
+                key = evu[e, 1]
+                if ctl[CTL_ORPHAN] != 0:
+                    flags = ORPHAN
+            else:
+                j = r_find(r_eh, r_meta, evu[e, 1])
+                if j < 0 or (r_meta[j] & ENGINE) != 0:
+                    ctl[CTL_STATUS] = NEED_PARENT
+                    ctl[CTL_EVENT] = e
+                    return
+                key = r_key[j]
+                if (r_meta[j] & ORPHAN) != 0:
+                    flags = ORPHAN
+        per_block = (fl & F_BLKCTX) != 0
+        c = evu[e, 0]
+        toff = ops[e, OP_TOK]
+        over = False
+        for i in range(n):
+            eh = ehs[off + i]
+            if bs == 0:
+                key = eh ^ U64(ENGINE_NS)
+            else:
+                if per_block:
+                    c = blk_ctx[off + i]
+                key = xxh3_64(tok, toff + i * bs, bs * 4, key ^ c, W)
+            j = _home(eh, cap)
+            found = False
+            while r_meta[j] != 0:
+                if r_eh[j] == eh:
+                    found = True
+                    break
+                j += 1
+                if j == cap:
+                    j = 0
+            if found:
+                m = np.int64(r_meta[j])
+                if (m & REF_MASK) == REF_MASK:
+                    over = True
+                    continue
+                r_meta[j] = np.uint16(m + 1)
+                r_st[ST_DUPS] += 1
+                continue
+            if not s_inc(s_key, s_meta, s_st, key, rm, rm_wm, wm_tp, wm_blocks):
+                over = True
+                continue
+            r_eh[j] = eh
+            r_key[j] = key
+            r_meta[j] = np.uint16(flags | 1)
+            r_st[ST_COUNT] += 1
+            if flags == ORPHAN:
+                r_st[ST_ORPHANS] += 1
+        if over:
+            ctl[CTL_STATUS] = OVERFLOW
+            ctl[CTL_EVENT] = e
+            return
 
 
 @njit(cache=True)

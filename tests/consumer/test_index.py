@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from consumer.index import MalformedEvent, PrefixIndex
 from consumer.keys import prompt_keys
 from oracle import Oracle
-from schemas.events import BlockRemoved, WorkerId, stored
+from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerId, stored
 
 A = WorkerId("a", 0)
 B0, B1 = WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2)
@@ -268,3 +268,70 @@ def test_index_equals_oracle(sc):
             assert ix.score(q, block_size=bs, weights=weights, workers=subset) == orc.score(q, block_size=bs, weights=weights, workers=subset)
     hs = [0, 1, 2, 3]
     assert ix.score_engine_hashes(hs, weights=weights) == orc.score_engine_hashes(hs, weights=weights)
+
+
+# ---------------------------------------------------------------- apply_batch
+
+
+@st.composite
+def batches(draw):
+    """Records of one rank: several events mixing tables (media, groups), stores
+    whose parent sits in the same record, another table or rank, removals,
+    clears, engine-hash mode and malformed stores (which end the record)."""
+    seqs = draw(st.lists(st.lists(st.integers(0, 2), min_size=32, max_size=32), min_size=2, max_size=3))
+    recs = []
+    for _ in range(draw(st.integers(1, 12))):
+        r = draw(st.sampled_from(RANKS))
+        evs = []
+        for _ in range(draw(st.integers(1, 6))):
+            kind = draw(st.sampled_from(["store"] * 5 + ["remove"] * 2 + ["clear", "engine", "junk", "bad"]))
+            s = seqs[draw(st.integers(0, len(seqs) - 1))]
+            bs = draw(st.sampled_from(BS))
+            nb = 32 // bs
+            a = draw(st.integers(0, nb - 1))
+            b = draw(st.integers(a + 1, nb))
+            m = draw(st.sampled_from(["GPU", "GPU", "CPU", None]))
+            if kind == "store":
+                extra = [("x",)] * (b - a) if draw(st.integers(0, 5)) == 0 else None
+                evs.append(ev(s, bs, a, b, m, draw(st.booleans()), group_idx=draw(st.sampled_from([None, None, 1])), extra_keys=extra))
+            elif kind == "remove":
+                evs.append(rm(s, bs, a, b, m))
+            elif kind == "clear":
+                evs.append(AllBlocksCleared())
+            elif kind == "engine":
+                evs.append(stored(draw(st.lists(st.integers(0, 5), min_size=1, max_size=3)), [], 0, medium=m))
+            elif kind == "junk":
+                evs.append(BlockRemoved((draw(st.integers(0, 3)),), medium=m))
+            else:
+                evs.append(stored([7, 8], s[:5], 4, medium=m))
+        recs.append((r, evs))
+    return seqs, recs
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(batches())
+def test_apply_batch_equals_events_one_by_one(sc):
+    seqs, recs = sc
+    ix, orc = PrefixIndex(), Oracle()
+    for r, evs in recs:
+        want = 0
+        try:
+            got = ix.apply_batch(r, evs)
+        except MalformedEvent:
+            got = None
+        for e in evs:
+            if isinstance(e, AllBlocksCleared):
+                orc.clear(r)
+                continue
+            try:
+                getattr(orc, "store" if isinstance(e, BlockStored) else "remove")(r, e)
+            except MalformedEvent:
+                want = None
+                break
+            want += len(e.block_hashes)
+        assert got == want
+        assert ix.holder_blocks() == orc.holder_blocks()
+    same(ix, orc)
+    for s in seqs:
+        for bs in (None, 4, 8):
+            assert ix.score(s, block_size=bs) == orc.score(s, block_size=bs)
