@@ -84,6 +84,10 @@ class Harness:
 @pytest.fixture(scope="module")
 def harness():
     h = Harness()
+    # Compile the score kernels (numba, cold in a fresh clone) before tracing: the bound is on
+    # what serving requests holds, not on a one-off JIT.
+    h.request("POST", "/v1/score", _encode_json({"token_ids": list(h.sim.system_prompts[0])}), "application/json")
+    h.applier.score(list(range(64)))
     tracemalloc.start()
     yield h
     tracemalloc.stop()
