@@ -12,9 +12,9 @@ import msgspec
 
 from schemas import codec
 from schemas.codec import DecodeError
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
+from schemas.events import BlockStored, EventBatch, WorkerId
 
-from .index import PrefixIndex
+from .index import MalformedEvent, PrefixIndex
 from .metrics import IngestMetrics
 from .rank_state import RankTable, Verdict
 
@@ -29,6 +29,17 @@ class DeadLetter(msgspec.Struct, frozen=True):
     value: bytes | None
     error: str
     timestamp_ms: int
+
+
+def check_batch(batch: EventBatch) -> None:
+    """Raise MalformedEvent if any event of the record cannot be applied."""
+    for ev in batch.events:
+        if type(ev) is BlockStored and ev.block_size > 0 and len(ev.token_ids):
+            if len(ev.token_ids) != ev.block_size * len(ev.block_hashes):
+                raise MalformedEvent(
+                    f"BlockStored with {len(ev.block_hashes)} hashes of block_size {ev.block_size} "
+                    f"carries {len(ev.token_ids)} token ids"
+                )
 
 
 class Applier:
@@ -67,6 +78,9 @@ class Applier:
             self._dead(topic, partition, offset, key, value, f"apply failed: {type(e).__name__}: {e}", timestamp_ms)
 
     def apply_batch(self, batch: EventBatch, partition: int = 0) -> Verdict:
+        # Whole record or nothing: a bad event found halfway would leave the
+        # events before it applied and the sequence advanced, yet dead-lettered.
+        check_batch(batch)
         rank = batch.worker
         verdict = self.ranks.admit(batch)
         self.records += 1
@@ -81,22 +95,8 @@ class Applier:
         if verdict is Verdict.RESET:
             self.index.clear(rank)
             m.resets.inc()
-        idx = self.index
-        if isinstance(idx, PrefixIndex):
-            # One call per record: the index batches a record's events into one kernel call per table.
-            blocks = idx.apply_batch(rank, batch.events)
-        else:  # any other index with store/remove/clear (tests feed the oracle through here)
-            blocks = 0
-            for ev in batch.events:
-                t = type(ev)
-                if t is BlockStored:
-                    idx.store(rank, ev)
-                    blocks += len(ev.block_hashes)
-                elif t is BlockRemoved:
-                    idx.remove(rank, ev)
-                    blocks += len(ev.block_hashes)
-                elif t is AllBlocksCleared:
-                    idx.clear(rank)
+        # One call per record: the index batches a record's events into one kernel call per table.
+        blocks = self.index.apply_batch(rank, batch.events)
         self.events += len(batch.events)
         if blocks:
             self.blocks += blocks

@@ -104,6 +104,22 @@ class Oracle:
                     return e.key, e.orphan
         return orphan_root(peh), True
 
+    def apply_batch(self, rank, events) -> int:
+        """PrefixIndex.apply_batch's contract, one event at a time."""
+        from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        blocks = 0
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                self.store(rank, ev)
+                blocks += len(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.remove(rank, ev)
+                blocks += len(ev.block_hashes)
+            elif isinstance(ev, AllBlocksCleared):
+                self.clear(rank)
+        return blocks
+
     def remove(self, rank, ev) -> None:
         if not ev.block_hashes:
             return
