@@ -176,19 +176,17 @@ class IndexMember:
         # fetching while we await the snapshot store; records it hands to _run
         # now are dropped (not yet assigned) and would move the position past
         # what our seek set. Paused partitions hand out nothing.
-        held = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
-        if held:
-            c.pause(*held)
+        tps = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
+        if tps:
+            c.pause(*tps)
+        gone = (self._pending_revoke | self.assigned) - partitions
+        new = partitions - self.assigned
         try:
-            gone = (self._pending_revoke | self.assigned) - partitions
             if gone:
                 if self.snapshots is not None:
                     await self._write_snapshots(gone)
                 self.applier.drop_partitions(gone)
             self._pending_revoke.clear()
-            new = partitions - self.assigned
-            c = self._consumer
-            tps = [TopicPartition(self.config.topic, p) for p in sorted(partitions)]
             ends = await c.end_offsets(tps) if tps else {}
             begins = await c.beginning_offsets(tps) if tps else {}
             self._starts = {tp.partition: off for tp, off in begins.items()}
@@ -205,8 +203,8 @@ class IndexMember:
             self.assigned = set(partitions)
         finally:
             self._assigning = False
-            if held:
-                c.resume(*held)
+            if tps:
+                c.resume(*tps)
         log.info("member %s assigned %s (new %s, dropped %s)", self.group_id, sorted(partitions), sorted(new), sorted(gone))
 
     async def _restore(self, partition: int, log_start: int, log_end: int | None = None) -> int:
