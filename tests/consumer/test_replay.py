@@ -182,7 +182,10 @@ async def test_live_full_replay_and_snapshot_tail_agree(kafka_bootstrap, new_top
         assert view(third.applier) == want
         assert view(from_snap.applier) == want
         assert any(not w["trusted"] for w in want[1]), "the workload must leave some worker untrusted"
-        assert assert_trusted_match_simulator(full.applier, fleet.sim) >= 1
+        checked = assert_trusted_match_simulator(full.applier, fleet.sim)
+        # With a tiny queue, how many workers overflow depends on the machine's load: all of them
+        # may end untrusted. Without overflow the losses are seeded, and some worker stays whole.
+        assert checked >= 1 or queue_size < 1000
         for _ in range(10):
             q = list(fleet.sim.next_request().token_ids)
             assert second.applier.score(q) == live.applier.score(q) == full.applier.score(q)
