@@ -10,6 +10,7 @@ from typing import Callable
 import pytest
 
 from kvwire.broker.probe import run_sync
+from kafka_admin import create_topics, delete_topics
 
 
 def _in_ci() -> bool:
@@ -36,34 +37,6 @@ def kafka_bootstrap() -> str:
         if _in_ci():
             pytest.fail(reason, pytrace=False)
         pytest.skip(reason)
-
-
-async def create_topics(bootstrap: str, names: list[str], partitions: int,
-                        config: dict[str, str] | None = None) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        resp = await admin.create_topics(
-            [NewTopic(n, partitions, 1, topic_configs=config or {}) for n in names], timeout_ms=30000)
-        # create_topics reports per-topic errors in the response instead of raising.
-        errors = [(t[0], t[1], t[2] if len(t) > 2 else "") for t in resp.topic_errors if t[1] != 0]
-        if errors:
-            raise RuntimeError(f"create_topics failed: {errors}")
-    finally:
-        await admin.close()
-
-
-async def delete_topics(bootstrap: str, names: list[str]) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient
-
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.delete_topics(names, timeout_ms=30000)
-    finally:
-        await admin.close()
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ import pytest
 from kvwire.broker.probe import run_sync
 from schemas.codec import CONTENT_TYPE, CURRENT, VERSIONS, encode
 from schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
-from tests.conftest import create_topics, delete_topics
+from kafka_admin import create_topics, delete_topics
 
 pytestmark = pytest.mark.integration
 

@@ -25,7 +25,7 @@ from producer.publisher import KafkaPublisher, PublisherConfig
 from schemas import codec
 from schemas.events import AllBlocksCleared, BlockRemoved, WorkerId, stored
 
-from conftest import create_topics, delete_topics
+from kafka_admin import create_topics, delete_topics
 
 pytestmark = pytest.mark.integration
 
