@@ -2,6 +2,8 @@
 several directories have one and whichever loads first owns the name)."""
 from __future__ import annotations
 
+import socket
+
 
 async def create_topics(bootstrap: str, names: list[str], partitions: int,
                         config: dict[str, str] | None = None) -> None:
@@ -29,3 +31,18 @@ async def delete_topics(bootstrap: str, names: list[str]) -> None:
         await admin.delete_topics(names, timeout_ms=30000)
     finally:
         await admin.close()
+
+
+def free_port_pair() -> int:
+    """A free port whose successor is free too: a private broker's listener and controller."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair")

@@ -5,12 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import subprocess
 import sys
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from kafka_admin import free_port_pair
 
 pytestmark = pytest.mark.integration
 
@@ -130,18 +130,6 @@ def test_cli_start_is_idempotent():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 async def test_killed_broker_restarts_with_its_log(tmp_path):
@@ -149,7 +137,7 @@ async def test_killed_broker_restarts_with_its_log(tmp_path):
     _need_toolchain()
     from kvwire.broker import LocalKafka
 
-    kafka = LocalKafka(tmp_path / "kafka", _free_port_pair())
+    kafka = LocalKafka(tmp_path / "kafka", free_port_pair())
     try:
         bootstrap = await asyncio.to_thread(kafka.start)
         await _produce(bootstrap, "crash", 1, 20)

@@ -36,6 +36,7 @@ from producer.publisher import AckInfo, KafkaPublisher, PublisherConfig
 from producer.simulator import SimConfig, Simulator
 from schemas import codec
 from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
+from kafka_admin import free_port_pair
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "faults.json"
 _results_lock = threading.Lock()
@@ -89,18 +90,6 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str, every: 
         await asyncio.sleep(every)
 
 
-def free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 def free_port() -> int:

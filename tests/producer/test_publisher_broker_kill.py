@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
-import socket
 import threading
 
 import pytest
@@ -18,22 +17,11 @@ from producer.publisher import KafkaPublisher, PublisherConfig
 from schemas.events import WorkerId
 
 from test_publisher import by_rank, check_stream, one_block, read_all, wait_for
+from kafka_admin import free_port_pair
 
 pytestmark = pytest.mark.integration
 
 
-def _free_port_pair() -> int:
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 async def test_broker_killed_and_restarted_mid_stream(tmp_path):
@@ -43,7 +31,7 @@ async def test_broker_killed_and_restarted_mid_stream(tmp_path):
         pytest.skip("a private broker needs java and mvn")
     from kvwire.broker import LocalKafka
 
-    kafka = LocalKafka(tmp_path / "kafka", _free_port_pair())
+    kafka = LocalKafka(tmp_path / "kafka", free_port_pair())
     bootstrap = await asyncio.to_thread(kafka.start)
     topic = "kill-test"
     pub = None
