@@ -7,7 +7,7 @@ COPY schemas schemas
 COPY producer producer
 COPY consumer consumer
 COPY kvwire kvwire
-COPY bench bench
+
 RUN pip install --no-cache-dir . && useradd --system kvwire
 USER kvwire
 EXPOSE 8080

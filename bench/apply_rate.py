@@ -25,8 +25,8 @@ import gc
 import time
 import uuid
 
-from schemas import codec
-from schemas.events import EventBatch
+from kvwire.schemas import codec
+from kvwire.schemas.events import EventBatch
 
 from .common import write_result
 from .index_memory import CONV_BLOCKS, EV_BLOCKS, N_WORKERS, Workload
@@ -62,8 +62,8 @@ async def fill(bootstrap: str, topic: str, records) -> float:
     from aiokafka import AIOKafkaProducer
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-    from producer.config import _default_compression
-    from producer.partitioner import default_partition
+    from kvwire.producer.config import _default_compression
+    from kvwire.producer.partitioner import default_partition
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
@@ -71,8 +71,13 @@ async def fill(bootstrap: str, topic: str, records) -> float:
         await admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
     finally:
         await admin.close()
-    p = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=1 << 20,
-                         compression_type=_default_compression(), acks=1)
+    p = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        linger_ms=20,
+        max_batch_size=1 << 20,
+        compression_type=_default_compression(),
+        acks=1,
+    )
     await p.start()
     t0 = time.perf_counter()
     try:
@@ -87,8 +92,13 @@ async def consume(bootstrap: str, topic: str, n: int, applier=None) -> float:
     """Seconds to read n records (and apply them when an applier is given)."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
-                         max_partition_fetch_bytes=4 * 1024 * 1024, fetch_max_wait_ms=10)
+    c = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+        fetch_max_wait_ms=10,
+    )
     await c.start()
     try:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
@@ -121,7 +131,7 @@ def _timed(fn, reps: int = 2) -> float:
 
 
 def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
-    from consumer.apply import Applier
+    from kvwire.consumer.apply import Applier
 
     records = make_records(blocks, events_per_record)
     values = [v for _, v in records]
@@ -152,7 +162,7 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
 
     fence_s = _timed(fence_index)
 
-    from consumer.index import PrefixIndex
+    from kvwire.consumer.index import PrefixIndex
 
     def index_only():
         ix = PrefixIndex()
@@ -163,13 +173,19 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
                 st(w, e)
 
     index_s = _timed(index_only)
-    rate = lambda s: round(nblocks / s) if s > 0 else None  # noqa: E731
+    rate = lambda s: round(nblocks / s) if s > 0 else None
     return {
         "what": "blocks/s applied by one consumer process; decode, fence and index included",
-        "params": {"records": len(records), "blocks": nblocks, "events_per_record": events_per_record,
-                   "blocks_per_record": round(nblocks / len(records), 1), "partitions": PARTITIONS,
-                   "record_bytes_mean": round(sum(map(len, values)) / len(values), 1),
-                   "compression": "publisher default (zstd)", "workload": "bench.index_memory.Workload, stores only"},
+        "params": {
+            "records": len(records),
+            "blocks": nblocks,
+            "events_per_record": events_per_record,
+            "blocks_per_record": round(nblocks / len(records), 1),
+            "partitions": PARTITIONS,
+            "record_bytes_mean": round(sum(map(len, values)) / len(values), 1),
+            "compression": "publisher default (zstd)",
+            "workload": "bench.index_memory.Workload, stores only",
+        },
         "holder_blocks": holder_blocks,
         "fill_s": round(fill_s, 3),
         "apply_blocks_per_s": rate(e2e_s),
@@ -204,8 +220,10 @@ def main(argv=None) -> None:
         bootstrap = resolve_bootstrap()
     blocks = a.blocks or (500_000 if a.quick else 2_000_000)
     res = run(bootstrap, blocks, a.events_per_record)
-    print(f"apply (Kafka -> decode -> fence -> index): {res['apply_blocks_per_s']:,} blocks/s "
-          f"({res['apply_records_per_s']:,} records/s, {res['params']['blocks_per_record']} blocks/record)")
+    print(
+        f"apply (Kafka -> decode -> fence -> index): {res['apply_blocks_per_s']:,} blocks/s "
+        f"({res['apply_records_per_s']:,} records/s, {res['params']['blocks_per_record']} blocks/record)"
+    )
     for k, v in res["stages_blocks_per_s"].items():
         print(f"  {k:18s} {v:>12,} blocks/s")
     print("  us/record:", res["stages_us_per_record"])

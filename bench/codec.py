@@ -22,8 +22,8 @@ import time
 import fastavro
 import msgspec
 
-from schemas import codec
-from schemas.events import BlockRemoved, EventBatch, WorkerId, stored
+from kvwire.schemas import codec
+from kvwire.schemas.events import BlockRemoved, EventBatch, WorkerId, stored
 
 from .common import write_result
 
@@ -74,7 +74,9 @@ def _to_signed(h):
 def _array_record(b: EventBatch):
     rec = codec.batch_to_record(b)
     evs = []
-    for name, (e, src) in zip([n for n, _ in rec["events"]], zip([r for _, r in rec["events"]], b.events)):
+    for name, (e, src) in zip(
+        [n for n, _ in rec["events"]], zip([r for _, r in rec["events"]], b.events, strict=False), strict=False
+    ):
         e = dict(e)
         e["block_hashes"] = [_to_signed(h) for h in src.block_hashes]
         if "token_ids" in e:
@@ -114,7 +116,11 @@ def _vllm_batch(b: EventBatch) -> VBatch:
     evs = []
     for e in b.events:
         if hasattr(e, "token_ids"):
-            evs.append(VBlockStored(list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size, None, e.medium, None))
+            evs.append(
+                VBlockStored(
+                    list(e.block_hashes), e.parent_block_hash, list(e.token_ids), e.block_size, None, e.medium, None
+                )
+            )
         else:
             evs.append(VBlockRemoved(list(e.block_hashes), e.medium))
     return VBatch(b.engine_ts or 0.0, evs, b.worker.dp_rank)
@@ -179,7 +185,11 @@ def run(quick: bool = False) -> dict:
     arr_enc = [enc_arr(r) for r in arr_recs]
     res["avro_array_long"] = (
         _rate(enc_arr, arr_recs, min_s),
-        _rate(lambda d: fastavro.schemaless_reader(io.BytesIO(d), arr_schema, None, return_record_name=True), arr_enc, min_s),
+        _rate(
+            lambda d: fastavro.schemaless_reader(io.BytesIO(d), arr_schema, None, return_record_name=True),
+            arr_enc,
+            min_s,
+        ),
         sum(map(len, arr_enc)),
     )
 
@@ -190,7 +200,11 @@ def run(quick: bool = False) -> dict:
 
     docs = [_lmcache_doc(b) for b in batches]
     js = [json.dumps(d).encode() for d in docs]
-    res["lmcache_json"] = (_rate(lambda d: json.dumps(d).encode(), docs, min_s), _rate(json.loads, js, min_s), sum(map(len, js)))
+    res["lmcache_json"] = (
+        _rate(lambda d: json.dumps(d).encode(), docs, min_s),
+        _rate(json.loads, js, min_s),
+        sum(map(len, js)),
+    )
 
     per_batch_blocks = blocks / len(batches)
     table = {
@@ -206,10 +220,16 @@ def run(quick: bool = False) -> dict:
     summary = {
         "blocks_per_record": per_batch_blocks,
         "codecs": table,
-        "codec_decode_speedup_vs_msgpack": round(ours["decode_records_per_s"] / table["vllm_msgpack"]["decode_records_per_s"], 3),
+        "codec_decode_speedup_vs_msgpack": round(
+            ours["decode_records_per_s"] / table["vllm_msgpack"]["decode_records_per_s"], 3
+        ),
         "codec_bytes_ratio_vs_msgpack": round(ours["bytes_per_block"] / table["vllm_msgpack"]["bytes_per_block"], 3),
-        "codec_decode_speedup_vs_json": round(ours["decode_records_per_s"] / table["lmcache_json"]["decode_records_per_s"], 3),
-        "packed_vs_array_decode_speedup": round(ours["decode_records_per_s"] / table["avro_array_long"]["decode_records_per_s"], 3),
+        "codec_decode_speedup_vs_json": round(
+            ours["decode_records_per_s"] / table["lmcache_json"]["decode_records_per_s"], 3
+        ),
+        "packed_vs_array_decode_speedup": round(
+            ours["decode_records_per_s"] / table["avro_array_long"]["decode_records_per_s"], 3
+        ),
         "note": "kvwire decode includes building the typed model; the others return dicts/structs only",
     }
     return summary
@@ -222,8 +242,15 @@ def main() -> None:
     out = run(args.quick)
     print(f"{'codec':22} {'enc rec/s':>10} {'dec rec/s':>10} {'dec blocks/s':>13} {'B/block':>8}")
     for k, v in out["codecs"].items():
-        print(f"{k:22} {v['encode_records_per_s']:>10} {v['decode_records_per_s']:>10} {v['decode_blocks_per_s']:>13} {v['bytes_per_block']:>8}")
-    for k in ("codec_decode_speedup_vs_msgpack", "codec_bytes_ratio_vs_msgpack", "codec_decode_speedup_vs_json", "packed_vs_array_decode_speedup"):
+        print(
+            f"{k:22} {v['encode_records_per_s']:>10} {v['decode_records_per_s']:>10} {v['decode_blocks_per_s']:>13} {v['bytes_per_block']:>8}"
+        )
+    for k in (
+        "codec_decode_speedup_vs_msgpack",
+        "codec_bytes_ratio_vs_msgpack",
+        "codec_decode_speedup_vs_json",
+        "packed_vs_array_decode_speedup",
+    ):
         print(f"{k}: {out[k]}")
     write_result("codec", out)
 

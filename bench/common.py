@@ -15,7 +15,12 @@ def write_result(name: str, data: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamped = dict(data)
     stamped.setdefault(
-        "_machine", {"cpus": os.cpu_count(), "python": platform.python_version(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        "_machine",
+        {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        },
     )
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(stamped, indent=2) + "\n")

@@ -23,9 +23,9 @@ import time
 
 import numpy as np
 
-from consumer.index import PrefixIndex
-from consumer.keys import prompt_keys
-from schemas.events import BlockRemoved, BlockStored, WorkerId
+from kvwire.consumer.index import PrefixIndex
+from kvwire.consumer.keys import prompt_keys
+from kvwire.schemas.events import BlockRemoved, BlockStored, WorkerId
 
 from .common import percentiles, write_result
 
@@ -45,7 +45,9 @@ class Workload:
     def __init__(self, seed: int = 0):
         self.rng = np.random.default_rng(seed)
         self.sys = [self.rng.integers(0, 128_000, SYS_BLOCKS * BS, dtype=np.uint32) for _ in range(N_SYS)]
-        self.sys_hashes = [self.rng.integers(0, 2**64, SYS_BLOCKS, dtype=np.uint64, endpoint=False) for _ in range(N_SYS)]
+        self.sys_hashes = [
+            self.rng.integers(0, 2**64, SYS_BLOCKS, dtype=np.uint64, endpoint=False) for _ in range(N_SYS)
+        ]
         self.workers = [WorkerId(f"vllm-{i}", 0, 0, 1, "m") for i in range(N_WORKERS)]
         self.kept: list[np.ndarray] = []  # some stored conversations, to query later
 
@@ -54,14 +56,24 @@ class Workload:
         s = (w + c) % N_SYS
         tail = self.rng.integers(0, 128_000, (CONV_BLOCKS - SYS_BLOCKS) * BS, dtype=np.uint32)
         toks = np.concatenate([self.sys[s], tail])
-        hashes = np.concatenate([self.sys_hashes[s], self.rng.integers(0, 2**64, CONV_BLOCKS - SYS_BLOCKS, dtype=np.uint64, endpoint=False)])
+        hashes = np.concatenate(
+            [self.sys_hashes[s], self.rng.integers(0, 2**64, CONV_BLOCKS - SYS_BLOCKS, dtype=np.uint64, endpoint=False)]
+        )
         if len(self.kept) < 64 and self.rng.random() < 0.05:
             self.kept.append(toks)
         evs = []
         for e in range(CONV_BLOCKS // EV_BLOCKS):
             a, b = e * EV_BLOCKS, (e + 1) * EV_BLOCKS
             parent = int(hashes[a - 1]) if a else None
-            evs.append(BlockStored(tuple(hashes[a:b].tolist()), parent, toks[a * BS : b * BS].tobytes() and _arr(toks[a * BS : b * BS]), BS, medium="GPU"))
+            evs.append(
+                BlockStored(
+                    tuple(hashes[a:b].tolist()),
+                    parent,
+                    toks[a * BS : b * BS].tobytes() and _arr(toks[a * BS : b * BS]),
+                    BS,
+                    medium="GPU",
+                )
+            )
         return evs
 
 
@@ -114,7 +126,9 @@ def latency(ix: PrefixIndex, wl: Workload, n: int = 2000) -> dict:
         if k == 0 and wl.kept:
             q = wl.kept[i % len(wl.kept)]
         elif k == 1:
-            q = np.concatenate([wl.sys[i % N_SYS], rng.integers(0, 128_000, (CONV_BLOCKS - SYS_BLOCKS) * BS, dtype=np.uint32)])
+            q = np.concatenate(
+                [wl.sys[i % N_SYS], rng.integers(0, 128_000, (CONV_BLOCKS - SYS_BLOCKS) * BS, dtype=np.uint32)]
+            )
         else:
             q = rng.integers(0, 128_000, CONV_BLOCKS * BS, dtype=np.uint32)
         qs.append(q)
@@ -139,7 +153,16 @@ def latency(ix: PrefixIndex, wl: Workload, n: int = 2000) -> dict:
 
 
 def run(sizes, score_at=1_000_000) -> dict:
-    res = {"workload": {"workers": N_WORKERS, "block_size": BS, "conversation_blocks": CONV_BLOCKS, "system_prompt_blocks": SYS_BLOCKS, "blocks_per_event": EV_BLOCKS, "system_prompts": N_SYS}}
+    res = {
+        "workload": {
+            "workers": N_WORKERS,
+            "block_size": BS,
+            "conversation_blocks": CONV_BLOCKS,
+            "system_prompt_blocks": SYS_BLOCKS,
+            "blocks_per_event": EV_BLOCKS,
+            "system_prompts": N_SYS,
+        }
+    }
     for target in sizes:
         gc.collect()
         wl = Workload()
@@ -160,9 +183,11 @@ def run(sizes, score_at=1_000_000) -> dict:
         if target == score_at:
             row["latency_us_8k_tokens"] = latency(ix, wl)
         res[f"{target // 1_000_000}M"] = row
-        print(f"{target:>11,} holder-blocks: {row['bytes_per_holder_block']:.1f} B/holder-block "
-              f"({row['nbytes'] / 2**20:.0f} MiB), apply {row['apply_blocks_per_s'] / 1e6:.2f}M blocks/s, "
-              f"remove {row['remove_blocks_per_s'] / 1e6:.2f}M blocks/s")
+        print(
+            f"{target:>11,} holder-blocks: {row['bytes_per_holder_block']:.1f} B/holder-block "
+            f"({row['nbytes'] / 2**20:.0f} MiB), apply {row['apply_blocks_per_s'] / 1e6:.2f}M blocks/s, "
+            f"remove {row['remove_blocks_per_s'] / 1e6:.2f}M blocks/s"
+        )
         if "latency_us_8k_tokens" in row:
             for k, v in row["latency_us_8k_tokens"].items():
                 print(f"    {k:24s} {v}")

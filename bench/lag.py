@@ -43,10 +43,10 @@ SATURATED = 0.95
 
 def _worker_events(wl, w: int):
     """store B, remove A, store A, remove B: a full cache turning over, 16 blocks per event."""
-    from schemas.events import BlockRemoved
+    from kvwire.schemas.events import BlockRemoved
 
     a, b = wl.conversation(w, 0), wl.conversation(w, 1)
-    rm = lambda evs: [BlockRemoved(e.block_hashes, medium="GPU") for e in evs]  # noqa: E731
+    rm = lambda evs: [BlockRemoved(e.block_hashes, medium="GPU") for e in evs]
     return a, b + rm(a) + a + rm(b)
 
 
@@ -54,13 +54,12 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    from producer.publisher import KafkaPublisher, PublisherConfig
+    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 
     from .index_memory import Workload
 
     wl = Workload(seed=7)
-    cfg = PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=PARTITIONS,
-                          heartbeat_interval_s=3600)
+    cfg = PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=PARTITIONS, heartbeat_interval_s=3600)
     pub = KafkaPublisher(cfg)
     streams, cycles, pos = [], [], []
     for w in range(WORKERS):
@@ -111,9 +110,19 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
         deadline = time.monotonic() + max(10.0, 2 * seconds)
         while acked() < a0 + (p1 - p0) and time.monotonic() < deadline:
             time.sleep(0.02)
-        results.put({"rate": rate, "t0_us": t0, "t1_us": t1, "wall_s": wall, "calls": sent,
-                     "published": p1 - p0, "dropped": sum(s.dropped for s in streams) - drop0,
-                     "acked": acked() - a0, "acked_total": acked()})
+        results.put(
+            {
+                "rate": rate,
+                "t0_us": t0,
+                "t1_us": t1,
+                "wall_s": wall,
+                "calls": sent,
+                "published": p1 - p0,
+                "dropped": sum(s.dropped for s in streams) - drop0,
+                "acked": acked() - a0,
+                "acked_total": acked(),
+            }
+        )
     pub.close(timeout=10)
 
 
@@ -124,9 +133,9 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    from consumer.apply import Applier
-    from consumer.ingest import IndexMember, IngestConfig
-    from consumer.metrics import IngestMetrics
+    from kvwire.consumer.apply import Applier
+    from kvwire.consumer.ingest import IndexMember, IngestConfig
+    from kvwire.consumer.metrics import IngestMetrics
 
     class Recording(IngestMetrics):
         """Keeps every lag sample with its applied time (the stock window keeps 4096) and the
@@ -153,8 +162,8 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
     def warm() -> None:
         # Load every jitted kernel now: a fresh process pays ~0.1-0.5 s on the first store,
         # remove and score (numba cache load), which would land on the first records' lag.
-        from consumer.index import PrefixIndex
-        from schemas.events import BlockRemoved, WorkerId, stored
+        from kvwire.consumer.index import PrefixIndex
+        from kvwire.schemas.events import BlockRemoved, WorkerId, stored
 
         ix, w = PrefixIndex(), WorkerId("warm", 0)
         ix.store(w, stored([1, 2], range(32), 16, medium="GPU"))
@@ -166,8 +175,10 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
     async def main() -> None:
         warm()
         m = Recording()
-        member = IndexMember(IngestConfig(bootstrap_servers=bootstrap, topic=topic, fetch_max_wait_ms=fetch_max_wait_ms),
-                             StampingApplier(metrics=m))
+        member = IndexMember(
+            IngestConfig(bootstrap_servers=bootstrap, topic=topic, fetch_max_wait_ms=fetch_max_wait_ms),
+            StampingApplier(metrics=m),
+        )
         await member.start()
         while not member.ready:
             await asyncio.sleep(0.05)
@@ -177,9 +188,13 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
             await asyncio.sleep(0.02)
         applied.value = member.applier.records
         await member.stop()
-        np.savez(out_path, at=np.array(m.at, np.int64), lag=np.array(m.lag, np.int64),
-                 append_ms=np.array(m.append_ms, np.int64),
-                 holder_blocks=len(member.applier.index))
+        np.savez(
+            out_path,
+            at=np.array(m.at, np.int64),
+            lag=np.array(m.lag, np.int64),
+            append_ms=np.array(m.append_ms, np.int64),
+            holder_blocks=len(member.applier.index),
+        )
 
     asyncio.run(main())
 
@@ -191,7 +206,7 @@ def _pcts(ms: np.ndarray) -> dict:
     ms = np.sort(ms)
     if not len(ms):
         return {"p50": None, "p99": None, "p99.9": None, "max": None}
-    at = lambda p: round(float(ms[min(len(ms) - 1, int(len(ms) * p / 100))]), 3)  # noqa: E731
+    at = lambda p: round(float(ms[min(len(ms) - 1, int(len(ms) * p / 100))]), 3)
     return {"p50": at(50), "p99": at(99), "p99.9": at(99.9), "max": round(float(ms[-1]), 3)}
 
 
@@ -212,7 +227,9 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarr
         "applied_records_per_s": round(applied_in_window / dur, 1),
         "applied_blocks_per_s": round(applied_in_window / dur * BLOCKS_PER_RECORD),
         "applied_over_offered": round(applied_in_window / lvl["published"], 3) if lvl["published"] else None,
-        "published": lvl["published"], "dropped": lvl["dropped"], "acked": lvl["acked"],
+        "published": lvl["published"],
+        "dropped": lvl["dropped"],
+        "acked": lvl["acked"],
         "pacer_behind": lvl["calls"] < lvl["rate"] * 0.95 * dur,
         "records_measured": int(mine.sum()),
         "lag_ms": _pcts(lag[mine] / 1000),
@@ -230,7 +247,9 @@ async def _create_topic(bootstrap: str, topic: str) -> None:
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        await admin.create_topics([NewTopic(topic, PARTITIONS, 1, topic_configs={"message.timestamp.type": "LogAppendTime"})])
+        await admin.create_topics(
+            [NewTopic(topic, PARTITIONS, 1, topic_configs={"message.timestamp.type": "LogAppendTime"})]
+        )
     finally:
         await admin.close()
 
@@ -245,8 +264,9 @@ def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int
     first = results.get(timeout=120)
     applied, ready, stop = ctx.Value("q", 0, lock=False), ctx.Event(), ctx.Event()
     out = os.path.join(tempfile.mkdtemp(prefix="kvwire-lag-"), "samples.npz")
-    mem = ctx.Process(target=_member_main, args=(bootstrap, topic, applied, ready, stop, out, fetch_max_wait_ms),
-                      daemon=True)
+    mem = ctx.Process(
+        target=_member_main, args=(bootstrap, topic, applied, ready, stop, out, fetch_max_wait_ms), daemon=True
+    )
     mem.start()
     levels = []
     try:
@@ -269,8 +289,11 @@ def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int
                 time.sleep(0.02)
             lvl["drained_s"] = round(time.monotonic() - t, 2) if applied.value >= total else None
             levels.append(lvl)
-            print(f"  offered {lvl['published'] / seconds:>8.0f} rec/s  acked {lvl['acked']:>7}  dropped {lvl['dropped']:>6}  "
-                  f"applied/offered during the window {kept_up:.3f}  drained after {lvl['drained_s']} s", flush=True)
+            print(
+                f"  offered {lvl['published'] / seconds:>8.0f} rec/s  acked {lvl['acked']:>7}  dropped {lvl['dropped']:>6}  "
+                f"applied/offered during the window {kept_up:.3f}  drained after {lvl['drained_s']} s",
+                flush=True,
+            )
             if kept_up < SATURATED - 0.02:  # saturated: higher loads only measure a growing backlog
                 break
     finally:
@@ -284,17 +307,30 @@ def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int
     d = np.load(out)
     at, lag = d["at"], d["lag"]
     rows = [_level_stats(lvl, at, lag, d["append_ms"]) for lvl in levels]
-    sat = next((r for r in rows if r["applied_over_offered"] is not None and r["applied_over_offered"] < SATURATED), None)
-    ok = [r for r in rows if r is not sat and r["applied_over_offered"] is not None and r["applied_over_offered"] >= SATURATED]
+    sat = next(
+        (r for r in rows if r["applied_over_offered"] is not None and r["applied_over_offered"] < SATURATED), None
+    )
+    ok = [
+        r
+        for r in rows
+        if r is not sat and r["applied_over_offered"] is not None and r["applied_over_offered"] >= SATURATED
+    ]
     top = max(ok, key=lambda r: r["offered_records_per_s"]) if ok else None
     return {
         "what": "record timestamp (publish() call) -> applied in the index member, milliseconds",
-        "params": {"workers": WORKERS, "partitions": PARTITIONS, "blocks_per_record": BLOCKS_PER_RECORD,
-                   "seconds_per_level": seconds, "fetch_max_wait_ms": fetch_max_wait_ms,
-                   "processes": "publisher, index member and conductor are separate processes; the broker shares the machine"},
+        "params": {
+            "workers": WORKERS,
+            "partitions": PARTITIONS,
+            "blocks_per_record": BLOCKS_PER_RECORD,
+            "seconds_per_level": seconds,
+            "fetch_max_wait_ms": fetch_max_wait_ms,
+            "processes": "publisher, index member and conductor are separate processes; the broker shares the machine",
+        },
         "levels": rows,
         "saturated_at_offered_blocks_per_s": sat["offered_blocks_per_s"] if sat else None,
-        "max_unsaturated": {"offered_blocks_per_s": top["offered_blocks_per_s"], "lag_ms": top["lag_ms"]} if top else None,
+        "max_unsaturated": {"offered_blocks_per_s": top["offered_blocks_per_s"], "lag_ms": top["lag_ms"]}
+        if top
+        else None,
         "lag_p50_ms": top["lag_ms"]["p50"] if top else None,
         "lag_p99_ms": top["lag_ms"]["p99"] if top else None,
         "holder_blocks_at_end": int(d["holder_blocks"]),
@@ -314,13 +350,18 @@ def main(argv=None) -> None:
         from kvwire.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
-    rates = a.rates or ([250, 1000, 3000, 6000, 10000, 16000] if a.quick
-                        else [250, 500, 1000, 2000, 3000, 4500, 6000, 8000, 10000, 13000, 16000, 20000])
+    rates = a.rates or (
+        [250, 1000, 3000, 6000, 10000, 16000]
+        if a.quick
+        else [250, 500, 1000, 2000, 3000, 4500, 6000, 8000, 10000, 13000, 16000, 20000]
+    )
     seconds = a.seconds or (3.0 if a.quick else 6.0)
     res = run(bootstrap, rates, seconds, a.fetch_max_wait_ms)
     for r in res["levels"]:
-        print(f"offered {r['offered_blocks_per_s']:>9,} blocks/s  applied {r['applied_blocks_per_s']:>9,}  "
-              f"({r['applied_over_offered']})  lag p50 {r['lag_ms']['p50']} p99 {r['lag_ms']['p99']} ms")
+        print(
+            f"offered {r['offered_blocks_per_s']:>9,} blocks/s  applied {r['applied_blocks_per_s']:>9,}  "
+            f"({r['applied_over_offered']})  lag p50 {r['lag_ms']['p50']} p99 {r['lag_ms']['p99']} ms"
+        )
     print("wrote", write_result("lag", res))
 
 

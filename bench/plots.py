@@ -119,7 +119,9 @@ def plot_codec(d: Path, r: dict):
 
 def plot_memory(d: Path, r: dict):
     plt = _plt()
-    rows = sorted((v for v in r.values() if isinstance(v, dict) and "holder_blocks" in v), key=lambda v: v["holder_blocks"])
+    rows = sorted(
+        (v for v in r.values() if isinstance(v, dict) and "holder_blocks" in v), key=lambda v: v["holder_blocks"]
+    )
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot([v["holder_blocks"] for v in rows], [v["bytes_per_holder_block"] for v in rows], "o-", label="kvwire")
     ax.axhline(SMG_BYTES_PER_HOLDER_BLOCK, color="red", ls=":", label="SGLang SMG 26.9 B (theirs)")
@@ -131,8 +133,14 @@ def plot_memory(d: Path, r: dict):
     return _save(fig, d, "index_memory")
 
 
-PLOTS = {"lag": plot_lag, "score_latency": plot_score, "apply_rate": plot_apply, "publish_cost": plot_publish,
-         "codec": plot_codec, "index_memory": plot_memory}
+PLOTS = {
+    "lag": plot_lag,
+    "score_latency": plot_score,
+    "apply_rate": plot_apply,
+    "publish_cost": plot_publish,
+    "codec": plot_codec,
+    "index_memory": plot_memory,
+}
 
 
 def make_all(d: Path) -> list[Path]:

@@ -31,7 +31,7 @@ import uuid
 
 import msgspec
 
-from schemas.events import WorkerId, stored
+from kvwire.schemas.events import WorkerId, stored
 
 from .common import percentiles, write_result
 
@@ -40,8 +40,11 @@ PS = (50, 99, 99.9)
 
 def realistic_batch(i: int):
     # Hash >= 2^63 on purpose: vLLM's default unsigned form.
-    return [stored([(1 << 63) + i * 2654435761 % (1 << 62)], range(i % 1000, i % 1000 + 16), 16,
-                   (1 << 63) + i, medium="GPU")]
+    return [
+        stored(
+            [(1 << 63) + i * 2654435761 % (1 << 62)], range(i % 1000, i % 1000 + 16), 16, (1 << 63) + i, medium="GPU"
+        )
+    ]
 
 
 def drive(call, calls: int, burst: int, pause_s: float) -> tuple[list[int], int]:
@@ -69,13 +72,18 @@ def summarize(samples: list[int]) -> dict:
     return out  # microseconds
 
 
-def run_kvwire(bootstrap: str, calls: int, burst: int, pause_s: float, queue_size: int,
-               down: bool) -> dict:
-    from producer.publisher import KafkaPublisher, PublisherConfig
+def run_kvwire(bootstrap: str, calls: int, burst: int, pause_s: float, queue_size: int, down: bool) -> dict:
+    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 
-    cfg = PublisherConfig(bootstrap_servers=bootstrap, topic=f"bench-publish-{uuid.uuid4().hex[:8]}",
-                          partitions=1, queue_size=queue_size, heartbeat_interval_s=3600,
-                          unreachable_timeout_s=1.0 if down else 30.0, retry_backoff_s=0.1)
+    cfg = PublisherConfig(
+        bootstrap_servers=bootstrap,
+        topic=f"bench-publish-{uuid.uuid4().hex[:8]}",
+        partitions=1,
+        queue_size=queue_size,
+        heartbeat_interval_s=3600,
+        unreachable_timeout_s=1.0 if down else 30.0,
+        retry_backoff_s=0.1,
+    )
     pub = KafkaPublisher(cfg)
     try:
         st = pub.stream(WorkerId("bench", 0), source="bench")
@@ -89,8 +97,15 @@ def run_kvwire(bootstrap: str, calls: int, burst: int, pause_s: float, queue_siz
     finally:
         pub.close(timeout=30 if not down else 1)
     s = st.stats()
-    return {**summarize(samples), "calls": calls, "refused": refused, "wall_s": round(wall, 3),
-            "acked": s.acked, "dropped": s.dropped, "gap_sent": s.gap_sent}
+    return {
+        **summarize(samples),
+        "calls": calls,
+        "refused": refused,
+        "wall_s": round(wall, 3),
+        "acked": s.acked,
+        "dropped": s.dropped,
+        "gap_sent": s.gap_sent,
+    }
 
 
 def run_blocking_queue(calls: int, burst: int, pause_s: float, maxsize: int, consumer_us: float) -> dict:
@@ -105,8 +120,9 @@ def run_blocking_queue(calls: int, burst: int, pause_s: float, maxsize: int, con
             item = q.get()
             if item is stop:
                 return
-            enc.encode([time.time(), [{**msgspec.structs.asdict(e), "token_ids": e.token_ids.tolist()}
-                                      for e in item], 0])
+            enc.encode(
+                [time.time(), [{**msgspec.structs.asdict(e), "token_ids": e.token_ids.tolist()} for e in item], 0]
+            )
             time.sleep(pause)  # the send to a slow subscriber; like a socket, it frees the GIL
 
     t = threading.Thread(target=consumer, daemon=True)
@@ -116,8 +132,14 @@ def run_blocking_queue(calls: int, burst: int, pause_s: float, maxsize: int, con
     wall = time.perf_counter() - t0
     q.put(stop)
     t.join()
-    return {**summarize(samples), "calls": calls, "refused": 0, "wall_s": round(wall, 3),
-            "queue_maxsize": maxsize, "consumer_us_per_batch": consumer_us}
+    return {
+        **summarize(samples),
+        "calls": calls,
+        "refused": 0,
+        "wall_s": round(wall, 3),
+        "queue_maxsize": maxsize,
+        "consumer_us_per_batch": consumer_us,
+    }
 
 
 def run_floor(calls: int, burst: int, pause_s: float) -> dict:
@@ -168,21 +190,25 @@ def main() -> None:
     runs = {
         "noise_floor_deque_append": run_floor(calls, args.burst, pause),
         "kvwire_kafka_up": run_kvwire(bootstrap, calls, args.burst, pause, args.queue_size, False),
-        "kvwire_kafka_down": run_kvwire(f"127.0.0.1:{closed_port()}", calls, args.burst, pause,
-                                        args.queue_size, True),
-        "vllm_blocking_queue_put": run_blocking_queue(calls, args.burst, pause, args.queue_size,
-                                                      args.consumer_us),
+        "kvwire_kafka_down": run_kvwire(f"127.0.0.1:{closed_port()}", calls, args.burst, pause, args.queue_size, True),
+        "vllm_blocking_queue_put": run_blocking_queue(calls, args.burst, pause, args.queue_size, args.consumer_us),
     }
     base = runs["vllm_blocking_queue_put"]
     ratios = {
         name: {p: (round(base[p] / r[p], 1) if r[p] else None) for p in ("p50", "p99", "p99.9", "max")}
-        for name, r in runs.items() if name.startswith("kvwire")
+        for name, r in runs.items()
+        if name.startswith("kvwire")
     }
     result = {
         "what": "engine-thread cost of one publish() call, microseconds",
-        "params": {"calls": calls, "burst": args.burst, "pause_ms": args.pause_ms,
-                   "queue_size": args.queue_size, "consumer_us": args.consumer_us,
-                   "batch": "1 BlockStored, 1 block of 16 tokens, u64 hash >= 2^63"},
+        "params": {
+            "calls": calls,
+            "burst": args.burst,
+            "pause_ms": args.pause_ms,
+            "queue_size": args.queue_size,
+            "consumer_us": args.consumer_us,
+            "batch": "1 BlockStored, 1 block of 16 tokens, u64 hash >= 2^63",
+        },
         "runs": runs,
         "engine_pause_s": round(calls // args.burst * pause, 3),
         "blocking_over_kvwire": ratios,
@@ -192,10 +218,14 @@ def main() -> None:
     print(hdr)
     print("-" * len(hdr))
     for name, r in runs.items():
-        print(f"{name:<26}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['p99.9']:>9.2f}{r['max']:>11.1f}"
-              f"{r['refused']:>9}{r['wall_s']:>9.2f}")
-    print(f"(microseconds per call; wall_s = engine loop time, {calls // args.burst * pause:.2f} s of it "
-          "pauses: the excess is time the engine thread waited, mostly for the GIL)")
+        print(
+            f"{name:<26}{r['p50']:>9.2f}{r['p99']:>9.2f}{r['p99.9']:>9.2f}{r['max']:>11.1f}"
+            f"{r['refused']:>9}{r['wall_s']:>9.2f}"
+        )
+    print(
+        f"(microseconds per call; wall_s = engine loop time, {calls // args.burst * pause:.2f} s of it "
+        "pauses: the excess is time the engine thread waited, mostly for the GIL)"
+    )
     for name, rr in ratios.items():
         print(f"queue.put / {name}: " + ", ".join(f"{p} {v}x" for p, v in rr.items()))
     print(f"wrote {path}")

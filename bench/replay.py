@@ -8,7 +8,7 @@ from the previous event, random tokens and 64-bit engine hashes, no
 evictions, so holder-blocks = blocks stored. Sizes: 1M holder-blocks
 (``--quick``) and 10M. Per size:
 
-- ``replay``: a full replay from the earliest offset (``consumer.replay``:
+- ``replay``: a full replay from the earliest offset (``kvwire.consumer.replay``:
   fetch, decode, fence, apply) -> blocks/s;
 - ``snapshot``: every partition's snapshot written to a directory store, with
   size and time;
@@ -45,8 +45,8 @@ PARTITIONS = 8
 
 def _records(n_blocks: int, seed: int, epoch_base: int, first: bool):
     """(key, value) records holding ``n_blocks`` blocks over N_WORKERS workers."""
-    from schemas import codec
-    from schemas.events import EventBatch, WorkerId, stored
+    from kvwire.schemas import codec
+    from kvwire.schemas.events import EventBatch, WorkerId, stored
 
     rng = np.random.default_rng(seed)
     workers = [WorkerId(f"vllm-{i}", 0, 0, 1, "m") for i in range(N_WORKERS)]
@@ -67,19 +67,30 @@ def _records(n_blocks: int, seed: int, epoch_base: int, first: bool):
         parent[w] = hs[-1]
         s = seq[w]
         seq[w] += 1
-        b = EventBatch(workers[w], epoch_base + w, s + (0 if first else 1_000_000), time.time_ns() // 1000, (ev,),
-                       reset=first and s == 0)
+        b = EventBatch(
+            workers[w],
+            epoch_base + w,
+            s + (0 if first else 1_000_000),
+            time.time_ns() // 1000,
+            (ev,),
+            reset=first and s == 0,
+        )
         yield workers[w].kafka_key(), codec.encode(b)
 
 
 async def _produce(bootstrap: str, topic: str, records) -> int:
     from aiokafka import AIOKafkaProducer
 
-    from producer.config import PublisherConfig
-    from producer.publisher import HEADERS
+    from kvwire.producer.config import PublisherConfig
+    from kvwire.producer.publisher import HEADERS
 
-    p = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=1024 * 1024,
-                         compression_type=PublisherConfig().compression_type, enable_idempotence=True)
+    p = AIOKafkaProducer(
+        bootstrap_servers=bootstrap,
+        linger_ms=20,
+        max_batch_size=1024 * 1024,
+        compression_type=PublisherConfig().compression_type,
+        enable_idempotence=True,
+    )
     await p.start()
     n = 0
     try:
@@ -121,9 +132,9 @@ async def _delete(bootstrap: str, topic: str) -> None:
 
 
 async def run_size(bootstrap: str, n_blocks: int, tmp: str) -> dict:
-    from consumer.apply import Applier
-    from consumer.replay import replay
-    from consumer.snapshot import DirectoryStore, Snapshots
+    from kvwire.consumer.apply import Applier
+    from kvwire.consumer.replay import replay
+    from kvwire.consumer.snapshot import DirectoryStore, Snapshots
 
     topic = f"bench-replay-{n_blocks}-{uuid.uuid4().hex[:6]}"
     await _create(bootstrap, topic)
@@ -136,7 +147,10 @@ async def run_size(bootstrap: str, n_blocks: int, tmp: str) -> dict:
         full = await replay(bootstrap, topic)
         holder = len(full.applier.index)
         replay_s, replayed = full.seconds, full.blocks
-        print(f"[{n_blocks:,}] replay: {full.blocks:,} blocks in {full.seconds:.1f} s = {full.blocks / full.seconds:,.0f} blocks/s", flush=True)
+        print(
+            f"[{n_blocks:,}] replay: {full.blocks:,} blocks in {full.seconds:.1f} s = {full.blocks / full.seconds:,.0f} blocks/s",
+            flush=True,
+        )
 
         snap_dir = os.path.join(tmp, topic)
         snaps = Snapshots(DirectoryStore(snap_dir))
@@ -165,8 +179,11 @@ async def run_size(bootstrap: str, n_blocks: int, tmp: str) -> dict:
         cold_s = time.perf_counter() - t
         cold_holder = len(cold.applier.index)
         assert loaded == holder and cold.records == tail_records, (loaded, holder, cold.records, tail_records)
-        print(f"[{n_blocks:,}] snapshot {snap_bytes / 1e6:.0f} MB saved in {save_s:.1f} s, loaded in {load_s:.2f} s; "
-              f"cold start (load + {tail_records:,} tail records) {cold_s:.2f} s", flush=True)
+        print(
+            f"[{n_blocks:,}] snapshot {snap_bytes / 1e6:.0f} MB saved in {save_s:.1f} s, loaded in {load_s:.2f} s; "
+            f"cold start (load + {tail_records:,} tail records) {cold_s:.2f} s",
+            flush=True,
+        )
         shutil.rmtree(snap_dir, ignore_errors=True)
         return {
             "records": records,
@@ -193,7 +210,9 @@ def main(argv=None) -> None:
     ap.add_argument("--bootstrap-servers", default=os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:19092"))
     args = ap.parse_args(argv)
     sizes = [1_000_000] if args.quick else [1_000_000, 10_000_000]
-    out: dict = {"workload": {"workers": N_WORKERS, "block_size": BS, "blocks_per_event": EV_BLOCKS, "partitions": PARTITIONS}}
+    out: dict = {
+        "workload": {"workers": N_WORKERS, "block_size": BS, "blocks_per_event": EV_BLOCKS, "partitions": PARTITIONS}
+    }
     # --quick refreshes 1M and keeps a 10M result a full run left behind.
     try:
         prev = json.loads((RESULTS / "replay.json").read_text())

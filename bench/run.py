@@ -40,8 +40,10 @@ SUMMARY_KEYS = (
     "notes",
 )
 
-_IM_SMOKE = ("from bench.index_memory import run; from bench.common import write_result; "
-             "write_result('index_memory', run([30000], score_at=30000))")
+_IM_SMOKE = (
+    "from bench.index_memory import run; from bench.common import write_result; "
+    "write_result('index_memory', run([30000], score_at=30000))"
+)
 
 
 def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
@@ -54,17 +56,28 @@ def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
         ("publish_cost", ["-m", "bench.publish_cost", *b, *(["--calls", "3000"] if tiny else q)], 600),
         ("index_memory", ["-c", _IM_SMOKE] if tiny else ["-m", "bench.index_memory", *q], 1800),
         ("apply_rate", ["-m", "bench.apply_rate", *b, *(["--blocks", "20000"] if tiny else q)], 900),
-        ("score_latency", ["-m", "bench.score_latency", *(["--sizes", "30000", "--queries", "60"] if tiny else q)], 1800),
+        (
+            "score_latency",
+            ["-m", "bench.score_latency", *(["--sizes", "30000", "--queries", "60"] if tiny else q)],
+            1800,
+        ),
         ("lag", ["-m", "bench.lag", *b, *(["--rates", "200", "400", "--seconds", "1"] if tiny else q)], 900),
     ]
     if importlib.util.find_spec("bench.replay") is not None:
         # bench/replay.py has no size option below --quick's 1M; the smoke run drives one tiny size.
-        smoke = ("import asyncio, sys, tempfile; from bench import replay as r; from bench.common import write_result\n"
-                 "with tempfile.TemporaryDirectory() as t: row = asyncio.run(r.run_size(sys.argv[1], 20000, t))\n"
-                 "write_result('replay', {'smoke_20k': row, 'replay_blocks_per_s': row['replay_blocks_per_s'], "
-                 "'cold_start_s_per_million_blocks': row['cold_start_s_per_million_blocks']})")
-        out.append(("replay", ["-c", smoke, bootstrap] if tiny
-                    else ["-m", "bench.replay", *q, "--bootstrap-servers", bootstrap], 1800))
+        smoke = (
+            "import asyncio, sys, tempfile; from bench import replay as r; from bench.common import write_result\n"
+            "with tempfile.TemporaryDirectory() as t: row = asyncio.run(r.run_size(sys.argv[1], 20000, t))\n"
+            "write_result('replay', {'smoke_20k': row, 'replay_blocks_per_s': row['replay_blocks_per_s'], "
+            "'cold_start_s_per_million_blocks': row['cold_start_s_per_million_blocks']})"
+        )
+        out.append(
+            (
+                "replay",
+                ["-c", smoke, bootstrap] if tiny else ["-m", "bench.replay", *q, "--bootstrap-servers", bootstrap],
+                1800,
+            )
+        )
     return out
 
 
@@ -108,20 +121,28 @@ def summarize(res: dict, errors: dict) -> dict:
     if c:
         for k in ck:
             s[k] = c.get(k)
-        notes["codec"] = ("kvwire Avro decode (to typed events) over vLLM msgpack / LMCache JSON decode (to plain "
-                          "structs/dicts), records of %s blocks; bytes ratio < 1 = smaller" % c.get("blocks_per_record"))
+        notes["codec"] = (
+            "kvwire Avro decode (to typed events) over vLLM msgpack / LMCache JSON decode (to plain "
+            "structs/dicts), records of {} blocks; bytes ratio < 1 = smaller".format(c.get("blocks_per_record"))
+        )
     else:
         missing(ck, "codec")
 
     p = res.get("publish_cost")
-    pk = {"publish_p999_us_kafka_up": "kvwire_kafka_up", "publish_p999_us_kafka_down": "kvwire_kafka_down",
-          "publish_p999_us_blocking_queue": "vllm_blocking_queue_put"}
+    pk = {
+        "publish_p999_us_kafka_up": "kvwire_kafka_up",
+        "publish_p999_us_kafka_down": "kvwire_kafka_down",
+        "publish_p999_us_blocking_queue": "vllm_blocking_queue_put",
+    }
     if p:
         for k, run in pk.items():
             s[k] = p["runs"][run]["p99.9"]
-        notes["publish"] = ("engine-thread cost of one publish() call; blocking_queue = vLLM's Queue.put pattern "
-                            "behind a %s us/batch sender; noise floor p99.9 %s us" % (
-                                p["params"]["consumer_us"], p["runs"]["noise_floor_deque_append"]["p99.9"]))
+        notes["publish"] = (
+            "engine-thread cost of one publish() call; blocking_queue = vLLM's Queue.put pattern "
+            "behind a {} us/batch sender; noise floor p99.9 {} us".format(
+                p["params"]["consumer_us"], p["runs"]["noise_floor_deque_append"]["p99.9"]
+            )
+        )
     else:
         missing(pk, "publish_cost")
 
@@ -129,15 +150,19 @@ def summarize(res: dict, errors: dict) -> dict:
     label, row = _largest(m or {})
     if row:
         s["bytes_per_holder_block"] = row["bytes_per_holder_block"]
-        notes["bytes_per_holder_block"] = f"at {row['holder_blocks']:,} holder-blocks over 256 workers (index_memory {label})"
+        notes["bytes_per_holder_block"] = (
+            f"at {row['holder_blocks']:,} holder-blocks over 256 workers (index_memory {label})"
+        )
     else:
         missing(["bytes_per_holder_block"], "index_memory")
 
     a = res.get("apply_rate")
     if a:
         s["apply_blocks_per_s"] = a["apply_blocks_per_s"]
-        notes["apply_blocks_per_s"] = ("one consumer process: AIOKafkaConsumer on a pre-filled topic -> Applier "
-                                       "(decode, fence, index); %s blocks/record" % a["params"]["blocks_per_record"])
+        notes["apply_blocks_per_s"] = (
+            "one consumer process: AIOKafkaConsumer on a pre-filled topic -> Applier "
+            "(decode, fence, index); {} blocks/record".format(a["params"]["blocks_per_record"])
+        )
     else:
         missing(["apply_blocks_per_s"], "apply_rate")
 
@@ -146,7 +171,9 @@ def summarize(res: dict, errors: dict) -> dict:
     if row and "8k" in row:
         s["score_p99_us_8k_tokens"] = row["8k"]["with_hashing"]["p99"]
         s["score_p99_us_8k_tokens_no_hashing"] = row["8k"]["without_hashing"]["p99"]
-        notes["score"] = f"8k-token prompts over {row['holder_blocks']:,} holder-blocks, 256 workers ({label}); p50 with hashing {row['8k']['with_hashing']['p50']} us"
+        notes["score"] = (
+            f"8k-token prompts over {row['holder_blocks']:,} holder-blocks, 256 workers ({label}); p50 with hashing {row['8k']['with_hashing']['p50']} us"
+        )
     else:
         missing(["score_p99_us_8k_tokens", "score_p99_us_8k_tokens_no_hashing"], "score_latency")
 
@@ -154,9 +181,11 @@ def summarize(res: dict, errors: dict) -> dict:
     if lg and lg.get("lag_p99_ms") is not None:
         s["lag_p99_ms"] = lg["lag_p99_ms"]
         mu = lg["max_unsaturated"]
-        notes["lag_p99_ms"] = (f"publish() -> applied, at the highest unsaturated offered load "
-                               f"({mu['offered_blocks_per_s']:,} blocks/s); saturated at "
-                               f"{lg.get('saturated_at_offered_blocks_per_s')} blocks/s offered")
+        notes["lag_p99_ms"] = (
+            f"publish() -> applied, at the highest unsaturated offered load "
+            f"({mu['offered_blocks_per_s']:,} blocks/s); saturated at "
+            f"{lg.get('saturated_at_offered_blocks_per_s')} blocks/s offered"
+        )
     elif lg:
         notes["lag_p99_ms"] = "null: no offered load stayed below saturation"
     else:
@@ -168,8 +197,10 @@ def summarize(res: dict, errors: dict) -> dict:
         s["replay_blocks_per_s"] = _find(r, "replay_blocks_per_s", "blocks_per_s")
         s["cold_start_s_per_million_blocks"] = _find(r, "cold_start_s_per_million_blocks", "s_per_million_blocks")
         sizes = sorted(k for k, v in r.items() if isinstance(v, dict) and "holder_blocks" in v)
-        notes["replay"] = (f"bench/replay.py headline (its largest size; sizes in replay.json: {', '.join(sizes)}; "
-                           "a --quick run keeps an earlier full run's 10M row)")
+        notes["replay"] = (
+            f"bench/replay.py headline (its largest size; sizes in replay.json: {', '.join(sizes)}; "
+            "a --quick run keeps an earlier full run's 10M row)"
+        )
         for k in rk:
             if s[k] is None:
                 notes[k] = "null: bench/replay.py wrote no such figure"
@@ -197,34 +228,52 @@ def markdown_table(s: dict, res: dict) -> str:
     sc = res.get("score_latency") or {}
     label, row = _largest(sc.get("sizes", {}))
     over = f" over {label} holder-blocks" if label else ""
-    p50 = lambda mode: row["8k"][mode]["p50"] if row and "8k" in row else None  # noqa: E731
-    cpu99 = lambda mode: row["8k"]["cpu_time"][mode]["p99"] if row and "cpu_time" in row.get("8k", {}) else None  # noqa: E731
+    p50 = lambda mode: row["8k"][mode]["p50"] if row and "8k" in row else None
+    cpu99 = lambda mode: row["8k"]["cpu_time"][mode]["p99"] if row and "cpu_time" in row.get("8k", {}) else None
     lg = res.get("lag") or {}
     mu = lg.get("max_unsaturated") or {}
     rows = [
-        ("Apply, blocks/s, one process (Kafka fetch + Avro decode + fence + index)", _fmt(s["apply_blocks_per_s"]),
-         "SGLang SMG: 4.6-5.5M blocks/s writes (Rust, in memory, no decode); Dynamo: \"170M ops/s\" on 24 cores"),
-        (f"Score 8k tokens{over}, 256 workers, no hashing, p50 / p99 (on-CPU p99)",
-         f"{_fmt(p50('without_hashing'), ' us')} / {_fmt(s['score_p99_us_8k_tokens_no_hashing'], ' us')} ({_fmt(cpu99('without_hashing'), ' us')})",
-         "SGLang SMG: 292 ns / 7.6 us (hashing excluded)"),
-        (f"Score 8k tokens{over}, with hashing, p50 / p99 (on-CPU p99)",
-         f"{_fmt(p50('with_hashing'), ' us')} / {_fmt(s['score_p99_us_8k_tokens'], ' us')} ({_fmt(cpu99('with_hashing'), ' us')})",
-         "not published"),
-        ("Index bytes per holder-block", _fmt(s["bytes_per_holder_block"], " B"),
-         "SGLang SMG: 26.9 B; AIBrix: ~64 B/entry (claim)"),
-        ("Event-to-index lag p99 (publish() to applied)",
-         f"{_fmt(s['lag_p99_ms'], ' ms')} at {_fmt(mu.get('offered_blocks_per_s'))} blocks/s offered; saturates at {_fmt(lg.get('saturated_at_offered_blocks_per_s'))}",
-         "Dynamo: p99 0.6-0.8 ms at 120-255k ops/s, 7k workers; nobody else publishes one"),
-        ("publish() on the engine thread, p99.9: Kafka up / Kafka down",
-         f"{_fmt(s['publish_p999_us_kafka_up'], ' us')} / {_fmt(s['publish_p999_us_kafka_down'], ' us')}",
-         f"vLLM ZmqEventPublisher: blocking Queue.put (#53859); that pattern measured here: {_fmt(s['publish_p999_us_blocking_queue'], ' us')}"),
-        ("Decode speed vs vLLM msgpack / vs LMCache JSON (x)",
-         f"{_fmt(s['codec_decode_speedup_vs_msgpack'], 'x')} / {_fmt(s['codec_decode_speedup_vs_json'], 'x')}",
-         "msgpack/JSON decoded to plain structs/dicts; ours to typed events"),
+        (
+            "Apply, blocks/s, one process (Kafka fetch + Avro decode + fence + index)",
+            _fmt(s["apply_blocks_per_s"]),
+            'SGLang SMG: 4.6-5.5M blocks/s writes (Rust, in memory, no decode); Dynamo: "170M ops/s" on 24 cores',
+        ),
+        (
+            f"Score 8k tokens{over}, 256 workers, no hashing, p50 / p99 (on-CPU p99)",
+            f"{_fmt(p50('without_hashing'), ' us')} / {_fmt(s['score_p99_us_8k_tokens_no_hashing'], ' us')} ({_fmt(cpu99('without_hashing'), ' us')})",
+            "SGLang SMG: 292 ns / 7.6 us (hashing excluded)",
+        ),
+        (
+            f"Score 8k tokens{over}, with hashing, p50 / p99 (on-CPU p99)",
+            f"{_fmt(p50('with_hashing'), ' us')} / {_fmt(s['score_p99_us_8k_tokens'], ' us')} ({_fmt(cpu99('with_hashing'), ' us')})",
+            "not published",
+        ),
+        (
+            "Index bytes per holder-block",
+            _fmt(s["bytes_per_holder_block"], " B"),
+            "SGLang SMG: 26.9 B; AIBrix: ~64 B/entry (claim)",
+        ),
+        (
+            "Event-to-index lag p99 (publish() to applied)",
+            f"{_fmt(s['lag_p99_ms'], ' ms')} at {_fmt(mu.get('offered_blocks_per_s'))} blocks/s offered; saturates at {_fmt(lg.get('saturated_at_offered_blocks_per_s'))}",
+            "Dynamo: p99 0.6-0.8 ms at 120-255k ops/s, 7k workers; nobody else publishes one",
+        ),
+        (
+            "publish() on the engine thread, p99.9: Kafka up / Kafka down",
+            f"{_fmt(s['publish_p999_us_kafka_up'], ' us')} / {_fmt(s['publish_p999_us_kafka_down'], ' us')}",
+            f"vLLM ZmqEventPublisher: blocking Queue.put (#53859); that pattern measured here: {_fmt(s['publish_p999_us_blocking_queue'], ' us')}",
+        ),
+        (
+            "Decode speed vs vLLM msgpack / vs LMCache JSON (x)",
+            f"{_fmt(s['codec_decode_speedup_vs_msgpack'], 'x')} / {_fmt(s['codec_decode_speedup_vs_json'], 'x')}",
+            "msgpack/JSON decoded to plain structs/dicts; ours to typed events",
+        ),
         ("Wire bytes vs vLLM msgpack", _fmt(s["codec_bytes_ratio_vs_msgpack"], "x"), "vLLM msgpack = 1x"),
-        ("Replay, blocks/s / cold start, s per million blocks",
-         f"{_fmt(s['replay_blocks_per_s'])} / {_fmt(s['cold_start_s_per_million_blocks'], ' s')}",
-         "none has a replayable log; sgl-kv-indexer restart: 17% blind routing (in memory)"),
+        (
+            "Replay, blocks/s / cold start, s per million blocks",
+            f"{_fmt(s['replay_blocks_per_s'])} / {_fmt(s['cold_start_s_per_million_blocks'], ' s')}",
+            "none has a replayable log; sgl-kv-indexer restart: 17% blind routing (in memory)",
+        ),
     ]
     out = ["| | kvwire (ours, measured here) | others (theirs, published) |", "|---|---|---|"]
     out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
@@ -236,7 +285,9 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--quick", action="store_true", help="small sizes, a few minutes")
     g.add_argument("--smoke", action="store_true", help="tiny sizes: checks the harness, not speed")
-    ap.add_argument("--only", nargs="*", default=None, help="run only these steps (others are read from disk if present)")
+    ap.add_argument(
+        "--only", nargs="*", default=None, help="run only these steps (others are read from disk if present)"
+    )
     ap.add_argument("--results", default=None, help="results folder (default bench/results)")
     ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kvwire's resolver)")
     a = ap.parse_args(argv)
@@ -268,8 +319,15 @@ def main(argv=None) -> int:
         since = time.time() - 1
         t0 = time.monotonic()
         try:
-            p = subprocess.run([sys.executable, *args], cwd=root, env=env, timeout=timeout,
-                               stdout=sys.stdout, stderr=subprocess.PIPE, text=True)
+            p = subprocess.run(
+                [sys.executable, *args],
+                cwd=root,
+                env=env,
+                timeout=timeout,
+                stdout=sys.stdout,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             if p.returncode != 0:
                 errors[name] = f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else ''}"
                 sys.stderr.write(p.stderr[-4000:])
@@ -281,8 +339,12 @@ def main(argv=None) -> int:
             errors[name] = "wrote no result"
         print(f"   {name}: {timings[name]} s{'  FAILED: ' + errors[name] if name in errors else ''}", flush=True)
     summary = summarize(res, errors)
-    summary["notes"]["run"] = {"mode": mode, "seconds": round(time.monotonic() - t_all, 1), "step_seconds": timings,
-                               "load_avg_at_end": list(os.getloadavg())}
+    summary["notes"]["run"] = {
+        "mode": mode,
+        "seconds": round(time.monotonic() - t_all, 1),
+        "step_seconds": timings,
+        "load_avg_at_end": list(os.getloadavg()),
+    }
     try:
         from .plots import make_all
 

@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from consumer.keys import prompt_keys
+from kvwire.consumer.keys import prompt_keys
 
 from .common import percentiles, write_result
 from .index_memory import BS, N_SYS, N_WORKERS, Workload, build
@@ -60,12 +60,12 @@ def queries(wl: Workload, tokens: int, n: int, seed: int = 1) -> list[np.ndarray
 def _scan_fn(ix):
     """The table walk alone through PrefixIndex internals; None when they moved."""
     try:
-        from consumer import index as I
+        from kvwire.consumer import index as I
 
         wmask, warr = ix._query_args(None, None)
         no_tok, no_ctx = I._NO_TOKENS, I._NO_CTX
         run = ix._run
-        f = lambda keys: run(no_tok, 0, keys.shape[0], no_ctx, keys, wmask, warr, scale=BS)  # noqa: E731
+        f = lambda keys: run(no_tok, 0, keys.shape[0], no_ctx, keys, wmask, warr, scale=BS)
         f(prompt_keys(np.zeros(BS * 4, np.uint32), BS))
         return f
     except Exception:
@@ -97,9 +97,11 @@ def measure(ix, wl: Workload, n: int) -> dict:
             ix.score(q)
         gc.collect()
         row = {"cpu_time": {}}
-        modes = [("with_hashing", ix.score, qs),
-                 ("without_hashing", lambda k: ix.score_keys(k, BS), keys),
-                 ("hashing_only", lambda q: prompt_keys(q, BS), qs)]
+        modes = [
+            ("with_hashing", ix.score, qs),
+            ("without_hashing", lambda k: ix.score_keys(k, BS), keys),
+            ("hashing_only", lambda q: prompt_keys(q, BS), qs),
+        ]
         if scan is not None:
             modes.append(("scan_only", scan, keys))
         for name, fn, items in modes:
@@ -109,7 +111,8 @@ def measure(ix, wl: Workload, n: int) -> dict:
             if name in ("with_hashing", "without_hashing"):  # the mix hides that misses are cheap
                 row.setdefault("p50_by_kind", {})[name] = {
                     kind: percentiles(wall[i::3], (50,))["p50"] and round(percentiles(wall[i::3], (50,))["p50"], 2)
-                    for i, kind in enumerate(("stored_conversation", "system_prompt_then_new", "miss"))}
+                    for i, kind in enumerate(("stored_conversation", "system_prompt_then_new", "miss"))
+                }
         if scan is None:
             row["scan_only"] = None
         hits = [len(ix.score(q)) for q in qs[:30]]
@@ -119,9 +122,17 @@ def measure(ix, wl: Workload, n: int) -> dict:
 
 
 def run(sizes, n: int) -> dict:
-    out = {"what": "score latency, microseconds per query", "params": {
-        "workers": N_WORKERS, "block_size": BS, "queries_per_point": n, "prompt_tokens": list(PROMPT_TOKENS),
-        "query_mix": "1/3 stored conversation, 1/3 system prompt + new text, 1/3 miss"}, "sizes": {}}
+    out = {
+        "what": "score latency, microseconds per query",
+        "params": {
+            "workers": N_WORKERS,
+            "block_size": BS,
+            "queries_per_point": n,
+            "prompt_tokens": list(PROMPT_TOKENS),
+            "query_mix": "1/3 stored conversation, 1/3 system prompt + new text, 1/3 miss",
+        },
+        "sizes": {},
+    }
     for target in sizes:
         gc.collect()
         wl = Workload()
@@ -133,8 +144,10 @@ def run(sizes, n: int) -> dict:
         out["sizes"][label] = row
         for t in PROMPT_TOKENS:
             r = row[f"{t // 1024}k"]
-            print(f"{label:>5} {t:>6} tokens: with hashing p50 {r['with_hashing']['p50']:>8} p99 {r['with_hashing']['p99']:>9} | "
-                  f"without p50 {r['without_hashing']['p50']:>8} p99 {r['without_hashing']['p99']:>9} us")
+            print(
+                f"{label:>5} {t:>6} tokens: with hashing p50 {r['with_hashing']['p50']:>8} p99 {r['with_hashing']['p99']:>9} | "
+                f"without p50 {r['without_hashing']['p50']:>8} p99 {r['without_hashing']['p99']:>9} us"
+            )
         del ix, wl
     return out
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from typing import Iterable
+from collections.abc import Iterable
 
 import msgspec
 
-from schemas import codec
-from schemas.codec import DecodeError
-from schemas.events import BlockStored, EventBatch, WorkerId
+from kvwire.schemas import codec
+from kvwire.schemas.codec import DecodeError
+from kvwire.schemas.events import BlockStored, EventBatch, WorkerId
 
 from .index import MalformedEvent, PrefixIndex
 from .metrics import IngestMetrics
@@ -34,12 +34,16 @@ class DeadLetter(msgspec.Struct, frozen=True):
 def check_batch(batch: EventBatch) -> None:
     """Raise MalformedEvent if any event of the record cannot be applied."""
     for ev in batch.events:
-        if type(ev) is BlockStored and ev.block_size > 0 and len(ev.token_ids):
-            if len(ev.token_ids) != ev.block_size * len(ev.block_hashes):
-                raise MalformedEvent(
-                    f"BlockStored with {len(ev.block_hashes)} hashes of block_size {ev.block_size} "
-                    f"carries {len(ev.token_ids)} token ids"
-                )
+        if (
+            type(ev) is BlockStored
+            and ev.block_size > 0
+            and len(ev.token_ids)
+            and len(ev.token_ids) != ev.block_size * len(ev.block_hashes)
+        ):
+            raise MalformedEvent(
+                f"BlockStored with {len(ev.block_hashes)} hashes of block_size {ev.block_size} "
+                f"carries {len(ev.token_ids)} token ids"
+            )
 
 
 class Applier:
@@ -139,7 +143,11 @@ class Applier:
     def score(self, token_ids, lora_name=None, **kw):
         """Scores of trusted workers only: a worker with a gap scores nothing."""
         untrusted = self.ranks.untrusted_workers()
-        return [s for s in self.index.score(token_ids, lora_name=lora_name, **kw) if (s.instance_id, s.dp_rank) not in untrusted]
+        return [
+            s
+            for s in self.index.score(token_ids, lora_name=lora_name, **kw)
+            if (s.instance_id, s.dp_rank) not in untrusted
+        ]
 
     def workers(self) -> list[dict]:
         """Per worker: blocks, epochs, last seqs, trust, last seen (for /v1/workers)."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Annotated, Callable
+from collections.abc import Callable
+from typing import Annotated
 
 import aiohttp
 import msgspec
@@ -78,7 +79,9 @@ def merge_scores(answers: list[list[dict]], limit: int) -> list[dict]:
             k = (s["instance_id"], s["dp_rank"])
             if k not in best or (s["score"], s["matched_tokens"]) > (best[k]["score"], best[k]["matched_tokens"]):
                 best[k] = s
-    return sorted(best.values(), key=lambda s: (-s["score"], -s["matched_tokens"], s["instance_id"], s["dp_rank"]))[:limit]
+    return sorted(best.values(), key=lambda s: (-s["score"], -s["matched_tokens"], s["instance_id"], s["dp_rank"]))[
+        :limit
+    ]
 
 
 def make_app(
@@ -106,29 +109,43 @@ def make_app(
             return _error(400, f"invalid JSON: {e}")
         if len(req.token_ids) > max_tokens:
             return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
-        local = _scores_json(applier.score(req.token_ids, lora_name=req.lora_name, block_size=req.block_size))[: req.limit]
+        local = _scores_json(applier.score(req.token_ids, lora_name=req.lora_name, block_size=req.block_size))[
+            : req.limit
+        ]
         if req.local or not peers:
             return web.Response(body=_json.encode({"scores": local}), content_type="application/json")
         answers, failed = await _scatter(req)
         return web.Response(
-            body=_json.encode({"scores": merge_scores([local, *answers], req.limit), "partial": bool(failed), "failed_peers": failed}),
+            body=_json.encode(
+                {"scores": merge_scores([local, *answers], req.limit), "partial": bool(failed), "failed_peers": failed}
+            ),
             content_type="application/json",
         )
 
     async def _scatter(req: ScoreRequest):
         if "s" not in session:
             session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=peer_timeout_s))
-        payload = _json.encode({"token_ids": req.token_ids, "lora_name": req.lora_name, "block_size": req.block_size, "local": True, "limit": req.limit})
+        payload = _json.encode(
+            {
+                "token_ids": req.token_ids,
+                "lora_name": req.lora_name,
+                "block_size": req.block_size,
+                "local": True,
+                "limit": req.limit,
+            }
+        )
 
         async def one(peer: str):
-            async with session["s"].post(f"{peer}/v1/score", data=payload, headers={"content-type": "application/json"}) as r:
+            async with session["s"].post(
+                f"{peer}/v1/score", data=payload, headers={"content-type": "application/json"}
+            ) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}")
                 return (await r.json())["scores"]
 
         results = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
         answers, failed = [], []
-        for peer, res in zip(peers, results):
+        for peer, res in zip(peers, results, strict=False):
             if isinstance(res, BaseException):
                 log.warning("peer %s failed: %r", peer, res)
                 failed.append(peer)
@@ -147,7 +164,9 @@ def make_app(
 
     async def healthz(request: web.Request) -> web.Response:
         ok = ready()
-        return web.Response(status=200 if ok else 503, body=_json.encode({"ready": ok}), content_type="application/json")
+        return web.Response(
+            status=200 if ok else 503, body=_json.encode({"ready": ok}), content_type="application/json"
+        )
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=applier.metrics.render(), content_type="text/plain", charset="utf-8")

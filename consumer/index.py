@@ -6,7 +6,7 @@ numbers: the ingest layer fences, dedups and detects gaps, then calls
 
 Semantics (``tests/oracle.py`` is the executable spec):
 
-- Block keys are our chained XXH3 over token ids (``consumer.keys``); engine
+- Block keys are our chained XXH3 over token ids (``kvwire.consumer.keys``); engine
   hashes are only ids for BlockRemoved, per (rank, medium, group).
 - A rank's duplicate stores of one engine hash are reference-counted; the
   entry keeps the key of its first store. Removing an unknown hash is ignored
@@ -41,15 +41,14 @@ Semantics (``tests/oracle.py`` is the executable spec):
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
-
 import struct
+from collections.abc import Iterable, Mapping
 
 import msgspec
 import numpy as np
 import xxhash
 
-from schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, WorkerId
+from kvwire.schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, WorkerId
 
 from . import table as T
 from .keys import ROOT, block_contexts, context_seed, engine_hash_u64, engine_hashes, engine_keys, orphan_root
@@ -95,7 +94,7 @@ def normalize_medium(medium) -> str:
 
 
 class _RTable:
-    __slots__ = ("eh", "key", "meta", "st", "limit", "rm", "rank")
+    __slots__ = ("eh", "key", "limit", "meta", "rank", "rm", "st")
 
     def __init__(self, rm: int, rank: int, cap: int = T.MIN_CAP):
         self.rm = rm
@@ -127,7 +126,7 @@ class _RTable:
 
 
 class _Worker:
-    __slots__ = ("idx", "key", "tp_size", "ranks")
+    __slots__ = ("idx", "key", "ranks", "tp_size")
 
     def __init__(self, idx: int, key: tuple[str, int], tp_size: int):
         self.idx = idx
@@ -147,7 +146,7 @@ def _grown(a: np.ndarray, n: int, fill=0) -> np.ndarray:
 class _Segment:
     """Consecutive events bound for one table, as the arrays ``table.apply_run`` takes."""
 
-    __slots__ = ("ops", "evu", "hashes", "toks", "blk_ctx", "nblk", "ntok", "stores")
+    __slots__ = ("blk_ctx", "evu", "hashes", "nblk", "ntok", "ops", "stores", "toks")
 
     def __init__(self):
         self.ops: list[int] = []
@@ -403,7 +402,7 @@ class PrefixIndex:
             self._flush(rank, t, seg)
         return blocks
 
-    def _flush(self, rank: WorkerId, t: _RTable, seg: "_Segment") -> None:
+    def _flush(self, rank: WorkerId, t: _RTable, seg: _Segment) -> None:
         if seg.stores:
             if int(t.st[T.ST_COUNT]) + seg.stores > t.limit:
                 t.reserve(int(t.st[T.ST_COUNT]) + seg.stores)
@@ -421,8 +420,24 @@ class PrefixIndex:
             bc = _NO_CTX
         ctl = np.array([t.rm, 0, 0, 0, 0, 0], np.int64)
         while True:
-            T.apply_run(t.eh, t.key, t.meta, t.st, self.s_key, self.s_meta, self.s_st, self.rm_wm, self.wm_tp,
-                        self.wm_blocks, ops, evu, ehs, tok, bc, ctl)
+            T.apply_run(
+                t.eh,
+                t.key,
+                t.meta,
+                t.st,
+                self.s_key,
+                self.s_meta,
+                self.s_st,
+                self.rm_wm,
+                self.wm_tp,
+                self.wm_blocks,
+                ops,
+                evu,
+                ehs,
+                tok,
+                bc,
+                ctl,
+            )
             status = ctl[T.CTL_STATUS]
             if status == T.NEED_PARENT:
                 e = int(ctl[T.CTL_EVENT])
@@ -476,7 +491,9 @@ class PrefixIndex:
         if tables:
             for t in tables.values():
                 self._clear_table(t)
-        self._tables = {k: v for k, v in self._tables.items() if not (k[0].worker == rank.worker and k[0].tp_rank == rank.tp_rank)}
+        self._tables = {
+            k: v for k, v in self._tables.items() if not (k[0].worker == rank.worker and k[0].tp_rank == rank.tp_rank)
+        }
         self._sync_tp(wk)
 
     def drop_worker(self, worker: tuple[str, int] | WorkerId) -> None:
@@ -574,7 +591,24 @@ class PrefixIndex:
         run_w = np.zeros(nw, np.int64)
         score_w = np.zeros(nw, np.float64)
         run_wm = np.zeros(nwm, np.int64)
-        T.score(tok, bs, n, ctx, keys, self.s_key, self.s_meta, self.rm_wm, self.wm_tp, self.wm_worker, self.wm_medium, warr, wmask, run_w, score_w, run_wm)
+        T.score(
+            tok,
+            bs,
+            n,
+            ctx,
+            keys,
+            self.s_key,
+            self.s_meta,
+            self.rm_wm,
+            self.wm_tp,
+            self.wm_worker,
+            self.wm_medium,
+            warr,
+            wmask,
+            run_w,
+            score_w,
+            run_wm,
+        )
         mul = bs if scale is None else scale
         return run_w * mul, score_w * mul, run_wm * mul
 
@@ -597,11 +631,16 @@ class PrefixIndex:
         by: dict[int, dict[str, int]] = {w: {} for w in hw}
         wms = np.flatnonzero(run_wm)
         names = self._media_names
-        for w, m, r in zip(self.wm_worker[wms].tolist(), self.wm_medium[wms].tolist(), run_wm[wms].tolist()):
+        for w, m, r in zip(
+            self.wm_worker[wms].tolist(), self.wm_medium[wms].tolist(), run_wm[wms].tolist(), strict=False
+        ):
             by[w][names[m]] = r
         wl = self._worker_list
         keys = [wl[w].key for w in hw]
-        return [WorkerScore(k[0], k[1], r, by[w], x) for k, w, r, x in zip(keys, hw, run.tolist(), sc.tolist())]
+        return [
+            WorkerScore(k[0], k[1], r, by[w], x)
+            for k, w, r, x in zip(keys, hw, run.tolist(), sc.tolist(), strict=False)
+        ]
 
     def _name_ranks(self) -> np.ndarray:
         """Position of each worker in (instance_id, dp_rank) order, the results' tie-break."""
@@ -637,8 +676,19 @@ class PrefixIndex:
             for tp_rank, ts in wk.ranks.items():
                 for (mid, g), t in ts.items():
                     live = np.flatnonzero(t.meta)
-                    tables.append([w[0], w[1], wk.tp_size, tp_rank, self._media_names[mid], g, int(live.shape[0]),
-                                   int(t.st[T.ST_UNKNOWN]), int(t.st[T.ST_DUPS])])
+                    tables.append(
+                        [
+                            w[0],
+                            w[1],
+                            wk.tp_size,
+                            tp_rank,
+                            self._media_names[mid],
+                            g,
+                            int(live.shape[0]),
+                            int(t.st[T.ST_UNKNOWN]),
+                            int(t.st[T.ST_DUPS]),
+                        ]
+                    )
                     ehs.append(t.eh[live])
                     keys.append(t.key[live])
                     metas.append(t.meta[live])
@@ -682,8 +732,22 @@ class PrefixIndex:
         for inst, dp, tp_size, tp_rank, medium, g, cnt, unknown, dups in tables:
             t = self._table(WorkerId(str(inst), int(dp), int(tp_rank), int(tp_size)), medium, int(g))
             t.reserve(int(t.st[T.ST_COUNT]) + cnt)
-            ok = T.r_import(t.eh, t.key, t.meta, t.st, self.s_key, self.s_meta, self.s_st, self.rm_wm, self.wm_tp,
-                            self.wm_blocks, t.rm, eh_all[i : i + cnt], key_all[i : i + cnt], meta_all[i : i + cnt])
+            ok = T.r_import(
+                t.eh,
+                t.key,
+                t.meta,
+                t.st,
+                self.s_key,
+                self.s_meta,
+                self.s_st,
+                self.rm_wm,
+                self.wm_tp,
+                self.wm_blocks,
+                t.rm,
+                eh_all[i : i + cnt],
+                key_all[i : i + cnt],
+                meta_all[i : i + cnt],
+            )
             if not ok:
                 raise ValueError(f"index blob: inconsistent entries for {inst}/{dp} rank {tp_rank}")
             t.st[T.ST_UNKNOWN] += unknown
@@ -725,8 +789,15 @@ class PrefixIndex:
                 for t in tables.values():
                     st += t.st
             out[wk.key] = WorkerStats(
-                wk.key[0], wk.key[1], wk.tp_size, len(wk.ranks), blocks,
-                int(st[T.ST_COUNT]), int(st[T.ST_ORPHANS]), int(st[T.ST_UNKNOWN]), int(st[T.ST_DUPS]),
+                wk.key[0],
+                wk.key[1],
+                wk.tp_size,
+                len(wk.ranks),
+                blocks,
+                int(st[T.ST_COUNT]),
+                int(st[T.ST_ORPHANS]),
+                int(st[T.ST_UNKNOWN]),
+                int(st[T.ST_DUPS]),
             )
         return out
 
@@ -736,7 +807,7 @@ class PrefixIndex:
         keys = self.s_key[live]
         wm = self.rm_wm[(self.s_meta[live].astype(np.int64) >> T.CNT_BITS) - 1]
         counts: dict[tuple[int, int], int] = {}
-        for k, m in zip(keys.tolist(), wm.tolist()):
+        for k, m in zip(keys.tolist(), wm.tolist(), strict=False):
             counts[(k, m)] = counts.get((k, m), 0) + 1
         out: dict = {}
         for (k, m), c in counts.items():
@@ -757,7 +828,13 @@ class PrefixIndex:
 
     def nbytes(self) -> int:
         n = self.s_key.nbytes + self.s_meta.nbytes + self.s_st.nbytes
-        n += self.rm_wm.nbytes + self.wm_tp.nbytes + self.wm_worker.nbytes + self.wm_medium.nbytes + self.wm_blocks.nbytes
+        n += (
+            self.rm_wm.nbytes
+            + self.wm_tp.nbytes
+            + self.wm_worker.nbytes
+            + self.wm_medium.nbytes
+            + self.wm_blocks.nbytes
+        )
         for wk in self._worker_list:
             for ts in wk.ranks.values():
                 for t in ts.values():
@@ -782,4 +859,12 @@ _EXPORT_VERSION = 1
 _EXPORT_HEAD = struct.Struct("<4sHHI")
 _UROOT = np.uint64(ROOT)
 
-__all__ = ["DEFAULT_WEIGHTS", "IndexOverflow", "MalformedEvent", "PrefixIndex", "WorkerScore", "WorkerStats", "normalize_medium"]
+__all__ = [
+    "DEFAULT_WEIGHTS",
+    "IndexOverflow",
+    "MalformedEvent",
+    "PrefixIndex",
+    "WorkerScore",
+    "WorkerStats",
+    "normalize_medium",
+]

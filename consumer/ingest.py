@@ -4,7 +4,7 @@ Two deployment modes, same code:
 - each router its own group (``group_id`` unique per router): every member
   is assigned every partition and holds the full index;
 - several members in one group: each indexes the partitions Kafka gives it,
-  and a scatter-gather score (see ``consumer.http``) merges their answers.
+  and a scatter-gather score (see ``kvwire.consumer.http``) merges their answers.
 
 State is rebuilt from the log on assignment (from the partition's newest
 snapshot when a snapshot store is configured, else from the beginning), so a
@@ -54,7 +54,7 @@ class IngestConfig:
 
 
 class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, member: "IndexMember"):
+    def __init__(self, member: IndexMember):
         self.member = member
 
     async def on_partitions_revoked(self, revoked):
@@ -110,7 +110,7 @@ class IndexMember:
         if self._task:
             try:
                 await asyncio.wait_for(self._task, 10)
-            except (asyncio.TimeoutError, Exception) as e:  # stopping must not raise
+            except (TimeoutError, Exception) as e:  # stopping must not raise
                 log.warning("ingest task ended badly: %r", e)
         try:
             await self._flush_and_commit(force=True)
@@ -205,7 +205,9 @@ class IndexMember:
             self._assigning = False
             if tps:
                 c.resume(*tps)
-        log.info("member %s assigned %s (new %s, dropped %s)", self.group_id, sorted(partitions), sorted(new), sorted(gone))
+        log.info(
+            "member %s assigned %s (new %s, dropped %s)", self.group_id, sorted(partitions), sorted(new), sorted(gone)
+        )
 
     async def _restore(self, partition: int, log_start: int, log_end: int | None = None) -> int:
         """Where to start reading a newly assigned partition (snapshot or log start)."""
@@ -288,9 +290,12 @@ class IndexMember:
             futs.append(
                 # A null-key tombstone is a legal record that our client refuses to write back:
                 # an empty key (the source coordinates are in the headers anyway).
-                await self._producer.send(self.config.resolved_dlq(), d.value,
-                                          key=d.key if d.key is not None or d.value is not None else b"",
-                                          headers=headers)
+                await self._producer.send(
+                    self.config.resolved_dlq(),
+                    d.value,
+                    key=d.key if d.key is not None or d.value is not None else b"",
+                    headers=headers,
+                )
             )
         # the commit that passes these offsets waits for the dead letters to land
         await asyncio.gather(*futs)

@@ -24,14 +24,18 @@ class IngestMetrics:
         self.gaps = Counter("kvwire_gap_batches", "Batches producers reported lost", registry=r)
         self.resets = Counter("kvwire_rank_resets", "Rank resets applied (new epochs, first records)", registry=r)
         self.expired = Counter("kvwire_ranks_expired", "Ranks dropped after the heartbeat timeout", registry=r)
-        self.dead_letters = Counter("kvwire_dead_letters", "Malformed records sent to the dead-letter topic", registry=r)
+        self.dead_letters = Counter(
+            "kvwire_dead_letters", "Malformed records sent to the dead-letter topic", registry=r
+        )
         self.lag_hist = Histogram(
             "kvwire_apply_lag_seconds",
             "Record timestamp to applied",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
-        self.lag_quantile = Gauge("kvwire_apply_lag_seconds_q", "Apply lag quantile over recent records", ["quantile"], registry=r)
+        self.lag_quantile = Gauge(
+            "kvwire_apply_lag_seconds_q", "Apply lag quantile over recent records", ["quantile"], registry=r
+        )
         self.consumer_lag = Gauge("kvwire_consumer_lag_records", "End offset minus position", ["partition"], registry=r)
         self.index_holder_blocks = Gauge("kvwire_index_holder_blocks", "Holder-blocks in the index", registry=r)
         self.index_bytes = Gauge("kvwire_index_bytes", "Bytes held by the index tables", registry=r)

@@ -19,7 +19,7 @@ from collections import deque
 
 import msgspec
 
-from schemas.events import EventBatch
+from kvwire.schemas.events import EventBatch
 
 # Enough to outlast any realistic burst of restarts of one rank; an epoch
 # older than this is ancient and its records are ignored anyway unless they

@@ -12,9 +12,9 @@ the truth: their earlier state is not in the replay).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Callable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
@@ -37,9 +37,7 @@ class ReplayResult:
         return {
             "records": self.records,
             "events": self.events,
-            "workers": [
-                {"instance_id": i, "dp_rank": d, "blocks": n} for (i, d), n in sorted(per_worker.items())
-            ],
+            "workers": [{"instance_id": i, "dp_rank": d, "blocks": n} for (i, d), n in sorted(per_worker.items())],
             "digest": idx.digest(),
             "holder_blocks": len(idx),
             "dead_letters": self.dead_letters,
@@ -63,8 +61,13 @@ async def replay(
     if start == "snapshot" and snapshots is None:
         raise ValueError('start="snapshot" needs a snapshot store')
     a = applier if applier is not None else Applier()
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, enable_auto_commit=False, auto_offset_reset="earliest",
-                         max_partition_fetch_bytes=4 * 1024 * 1024, **(client_options or {}))
+    c = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=4 * 1024 * 1024,
+        **(client_options or {}),
+    )
     await c.start()
     t0 = time.perf_counter()
     try:

@@ -51,8 +51,9 @@ import time
 import uuid
 import zlib
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Protocol
 
 import msgspec
 import xxhash
@@ -147,8 +148,20 @@ def capture(applier: Applier, topic: str, partition: int) -> SnapshotBody:
     (call it between two records: it is synchronous, the loop cannot apply)."""
     workers = set(applier.workers_by_partition.get(partition, ()))
     ranks = [
-        RankRecord(i, d, t, applier.ranks.tp_size.get((i, d), 1), s.epoch, s.last_seq, s.trusted, s.untrusted_reason,
-                   s.last_seen_us, list(s.retired), s.records, s.gaps)
+        RankRecord(
+            i,
+            d,
+            t,
+            applier.ranks.tp_size.get((i, d), 1),
+            s.epoch,
+            s.last_seq,
+            s.trusted,
+            s.untrusted_reason,
+            s.last_seen_us,
+            list(s.retired),
+            s.records,
+            s.gaps,
+        )
         for (i, d, t), s in sorted(applier.ranks.ranks.items())
         if (i, d) in workers
     ]
@@ -181,8 +194,16 @@ def load(applier: Applier, body: SnapshotBody, untrusted_reason: str | None = No
         _forget(applier, workers | set(applier.index.workers()) - _held_elsewhere(applier, body.partition))
         raise SnapshotError(f"index does not load: {e}") from None
     for r in body.ranks:
-        st = RankState(r.epoch, r.last_seq, r.trusted, r.last_seen_us, deque(r.retired, maxlen=RETIRED_EPOCHS),
-                       r.untrusted_reason, r.records, r.gaps)
+        st = RankState(
+            r.epoch,
+            r.last_seq,
+            r.trusted,
+            r.last_seen_us,
+            deque(r.retired, maxlen=RETIRED_EPOCHS),
+            r.untrusted_reason,
+            r.records,
+            r.gaps,
+        )
         if untrusted_reason:
             st.trusted, st.untrusted_reason = False, untrusted_reason
         applier.ranks.ranks[(r.instance_id, r.dp_rank, r.tp_rank)] = st
@@ -239,8 +260,14 @@ class KafkaStore:
     one, so a writer that died mid-snapshot (or compaction that has only kept
     some chunks of an older generation) is never mistaken for a snapshot."""
 
-    def __init__(self, bootstrap_servers: str, topic: str, source_topic: str | None = None,
-                 client_options: dict | None = None, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        source_topic: str | None = None,
+        client_options: dict | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
         self.bootstrap = bootstrap_servers
         self.topic = topic
         self.source_topic = source_topic
@@ -277,13 +304,22 @@ class KafkaStore:
             n = await self._describe(admin, self.topic)
             if n is None and create:
                 want = (await self._describe(admin, self.source_topic) if self.source_topic else None) or 1
-                resp = await admin.create_topics([NewTopic(self.topic, want, 1, topic_configs={
-                    "cleanup.policy": "compact",
-                    # Roll and clean often: the topic's size should stay about one snapshot per partition.
-                    "segment.ms": "600000",
-                    "min.cleanable.dirty.ratio": "0.1",
-                    "max.message.bytes": str(self.chunk_bytes + 64 * 1024),
-                })])
+                resp = await admin.create_topics(
+                    [
+                        NewTopic(
+                            self.topic,
+                            want,
+                            1,
+                            topic_configs={
+                                "cleanup.policy": "compact",
+                                # Roll and clean often: the topic's size should stay about one snapshot per partition.
+                                "segment.ms": "600000",
+                                "min.cleanable.dirty.ratio": "0.1",
+                                "max.message.bytes": str(self.chunk_bytes + 64 * 1024),
+                            },
+                        )
+                    ]
+                )
                 errs = [e for e in resp.topic_errors if e[1] not in (0, 36)]  # 36: already exists
                 if errs:
                     raise RuntimeError(f"cannot create {self.topic}: {errs}")
@@ -298,22 +334,34 @@ class KafkaStore:
 
         n = await self._ensure_topic(create=True)
         if self._producer is None:
-            self._producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, enable_idempotence=True, acks="all",
-                                              max_request_size=self.chunk_bytes + 64 * 1024, linger_ms=5, **self.opts)
+            self._producer = AIOKafkaProducer(
+                bootstrap_servers=self.bootstrap,
+                enable_idempotence=True,
+                acks="all",
+                max_request_size=self.chunk_bytes + 64 * 1024,
+                linger_ms=5,
+                **self.opts,
+            )
             await self._producer.start()
         gen = uuid.uuid4().bytes
         cb = self.chunk_bytes
         chunks = [data[i : i + cb] for i in range(0, len(data), cb)] or [b""]
         sp = partition % n
         futs = [
-            await self._producer.send(self.topic, _CHUNK_HEADER.pack(gen, i, len(chunks)) + c,
-                                      key=f"{topic}/{partition}/{i}".encode(), partition=sp)
+            await self._producer.send(
+                self.topic,
+                _CHUNK_HEADER.pack(gen, i, len(chunks)) + c,
+                key=f"{topic}/{partition}/{i}".encode(),
+                partition=sp,
+            )
             for i, c in enumerate(chunks)
         ]
         # Chunks a longer older generation left under higher keys: tombstones, or
         # compaction would keep them (harmless, never complete, but dead weight).
         for i in range(len(chunks), self._chunks.get((topic, partition), 0)):
-            futs.append(await self._producer.send(self.topic, None, key=f"{topic}/{partition}/{i}".encode(), partition=sp))
+            futs.append(
+                await self._producer.send(self.topic, None, key=f"{topic}/{partition}/{i}".encode(), partition=sp)
+            )
         await asyncio.gather(*futs)
         self._chunks[(topic, partition)] = len(chunks)
 
@@ -324,8 +372,14 @@ class KafkaStore:
         if not n:
             return None
         prefix = f"{topic}/{partition}/".encode()
-        c = AIOKafkaConsumer(bootstrap_servers=self.bootstrap, enable_auto_commit=False, auto_offset_reset="earliest",
-                             fetch_max_bytes=32 * 1024 * 1024, max_partition_fetch_bytes=8 * 1024 * 1024, **self.opts)
+        c = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            fetch_max_bytes=32 * 1024 * 1024,
+            max_partition_fetch_bytes=8 * 1024 * 1024,
+            **self.opts,
+        )
         await c.start()
         try:
             tp = TopicPartition(self.topic, partition % n)
@@ -371,7 +425,9 @@ class KafkaStore:
 class Snapshots:
     """When to write snapshots, and how to cold-start a partition from one."""
 
-    def __init__(self, store: SnapshotStore, interval_s: float = 60.0, every_records: int = 200_000, compress: bool = False):
+    def __init__(
+        self, store: SnapshotStore, interval_s: float = 60.0, every_records: int = 200_000, compress: bool = False
+    ):
         self.store = store
         self.interval_s = interval_s
         self.every_records = every_records
@@ -382,7 +438,9 @@ class Snapshots:
         self.saved = 0
         self.gaps = 0  # snapshots whose next offset retention had already deleted
 
-    async def restore(self, applier: Applier, topic: str, partition: int, log_start: int, log_end: int | None = None) -> int:
+    async def restore(
+        self, applier: Applier, topic: str, partition: int, log_start: int, log_end: int | None = None
+    ) -> int:
         """Load the newest snapshot of ``partition``; return the offset to read from."""
         try:
             data = await self.store.load(topic, partition)
@@ -413,8 +471,14 @@ class Snapshots:
         self.loaded += 1
         start = max(body.next_offset, log_start)
         self._last[partition] = (time.monotonic(), start)
-        log.info("%s/%d: loaded snapshot at offset %d (%d ranks), reading from %d", topic, partition,
-                 body.next_offset, len(body.ranks), start)
+        log.info(
+            "%s/%d: loaded snapshot at offset %d (%d ranks), reading from %d",
+            topic,
+            partition,
+            body.next_offset,
+            len(body.ranks),
+            start,
+        )
         return start
 
     async def save(self, applier: Applier, topic: str, partition: int) -> None:
@@ -439,7 +503,15 @@ class Snapshots:
         await self.store.close()
 
 
-def snapshot_store(bootstrap: str, topic: str, directory: str | None = None, client_options: dict | None = None,
-                   interval_s: float = 60.0, every_records: int = 200_000) -> Snapshots:
-    store = DirectoryStore(directory) if directory else KafkaStore(bootstrap, f"{topic}.snapshots", topic, client_options)
+def snapshot_store(
+    bootstrap: str,
+    topic: str,
+    directory: str | None = None,
+    client_options: dict | None = None,
+    interval_s: float = 60.0,
+    every_records: int = 200_000,
+) -> Snapshots:
+    store = (
+        DirectoryStore(directory) if directory else KafkaStore(bootstrap, f"{topic}.snapshots", topic, client_options)
+    )
     return Snapshots(store, interval_s, every_records)

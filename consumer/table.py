@@ -29,7 +29,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .keys import ENGINE_NS, ROOT as _ROOT, xxh3_64
+from .keys import ENGINE_NS, xxh3_64
+from .keys import ROOT as _ROOT
 
 U64 = np.uint64
 MAX_LOAD = 0.875
@@ -273,11 +274,25 @@ def r_lookup(r_eh, r_key, r_meta, eh, out):
 
 @njit(cache=True)
 def store(
-    r_eh, r_key, r_meta, r_st,
-    s_key, s_meta, s_st,
-    rm_wm, wm_tp, wm_blocks,
-    rm, ehs, tok, bs, ctx,
-    has_parent, parent_eh, parent_key, orphan,
+    r_eh,
+    r_key,
+    r_meta,
+    r_st,
+    s_key,
+    s_meta,
+    s_st,
+    rm_wm,
+    wm_tp,
+    wm_blocks,
+    rm,
+    ehs,
+    tok,
+    bs,
+    ctx,
+    has_parent,
+    parent_eh,
+    parent_key,
+    orphan,
 ):
     """Apply one BlockStored to a rank x medium x group table.
 
@@ -354,10 +369,22 @@ CTL_RM, CTL_START, CTL_RESOLVED, CTL_ORPHAN, CTL_STATUS, CTL_EVENT = 0, 1, 2, 3,
 
 @njit(cache=True)
 def apply_run(
-    r_eh, r_key, r_meta, r_st,
-    s_key, s_meta, s_st,
-    rm_wm, wm_tp, wm_blocks,
-    ops, evu, ehs, tok, blk_ctx, ctl,
+    r_eh,
+    r_key,
+    r_meta,
+    r_st,
+    s_key,
+    s_meta,
+    s_st,
+    rm_wm,
+    wm_tp,
+    wm_blocks,
+    ops,
+    evu,
+    ehs,
+    tok,
+    blk_ctx,
+    ctl,
 ):
     """Apply consecutive BlockStored/BlockRemoved events of one rank x medium x
     group table in one call (the per-call cost of a kernel with this many
@@ -492,9 +519,22 @@ def clear(r_key, r_meta, s_key, s_meta, s_st, rm_wm, wm_tp, wm_blocks, rm):
 
 @njit(cache=True)
 def score(
-    tok, bs, n, ctx, keys,
-    s_key, s_meta, rm_wm, wm_tp, wm_worker, wm_medium, weights, wmask,
-    run_w, score_w, run_wm,
+    tok,
+    bs,
+    n,
+    ctx,
+    keys,
+    s_key,
+    s_meta,
+    rm_wm,
+    wm_tp,
+    wm_worker,
+    wm_medium,
+    weights,
+    wmask,
+    run_w,
+    score_w,
+    run_wm,
 ):
     """Longest consecutive held prefix per worker and per worker x medium.
 
@@ -561,10 +601,20 @@ def score(
 
 @njit(cache=True)
 def r_import(
-    r_eh, r_key, r_meta, r_st,
-    s_key, s_meta, s_st,
-    rm_wm, wm_tp, wm_blocks,
-    rm, ehs, keys, metas,
+    r_eh,
+    r_key,
+    r_meta,
+    r_st,
+    s_key,
+    s_meta,
+    s_st,
+    rm_wm,
+    wm_tp,
+    wm_blocks,
+    rm,
+    ehs,
+    keys,
+    metas,
 ):
     """Re-insert exported entries of one R table (refcounts and flags kept) and
     count each once in S, as ``store`` would have. Capacity is the caller's job.

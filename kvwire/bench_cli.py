@@ -15,7 +15,7 @@ def bench(
     results: str = typer.Option(None, "--results", help="Results folder (default bench/results)."),
     bootstrap: str = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers."),
 ) -> None:
-    from bench.run import main
+    main = _bench_main()
 
     argv = ["--quick"] if quick else ["--smoke"] if smoke else []
     if only:
@@ -25,3 +25,18 @@ def bench(
     if bootstrap:
         argv += ["--bootstrap", bootstrap]
     raise typer.Exit(main(argv))
+
+
+def _bench_main():
+    """bench/ lives in the checkout, not in the wheel: find it beside the kvwire package's source."""
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "run.py").is_file():
+        raise typer.BadParameter("kvwire bench runs from a source checkout (bench/ is not installed)")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from bench.run import main
+
+    return main

@@ -11,7 +11,9 @@ app = typer.Typer(add_completion=False, help="Forward a vLLM ZMQ KV-event stream
 
 @app.callback(invoke_without_command=True)
 def bridge(
-    zmq_endpoint: str = typer.Option(..., help="vLLM --kv-events-config endpoint, e.g. tcp://10.0.0.5:5557 (+ dp_rank)."),
+    zmq_endpoint: str = typer.Option(
+        ..., help="vLLM --kv-events-config endpoint, e.g. tcp://10.0.0.5:5557 (+ dp_rank)."
+    ),
     instance_id: str = typer.Option(..., help="Stable id of the vLLM instance (the routing target)."),
     bootstrap_servers: str = typer.Option(..., help="Kafka bootstrap servers."),
     topic: str = typer.Option(..., help="Kafka topic."),
@@ -28,14 +30,21 @@ def bridge(
     import signal
 
     from kvwire.options import client_options_from_env
-    from producer.publisher import KafkaPublisher, PublisherConfig
-    from producer.zmq_bridge import BridgeConfig, ZmqBridge
-    from schemas.events import WorkerId
+    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+    from kvwire.producer.zmq_bridge import BridgeConfig, ZmqBridge
+    from kvwire.schemas.events import WorkerId
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("kvwire.bridge")
 
-    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap_servers, topic=topic, partitions=partitions, client_options=client_options_from_env()))
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=bootstrap_servers,
+            topic=topic,
+            partitions=partitions,
+            client_options=client_options_from_env(),
+        )
+    )
     # The ZMQ stream is emitted after TP aggregation: one rank per worker.
     stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source="vllm-zmq")
     br = ZmqBridge(

@@ -34,14 +34,22 @@ class DemoStats:
 
 def demo(
     workers: int = typer.Option(8, help="Simulated engine workers"),
-    tp_size: int = typer.Option(1, "--tp-size", help="Tensor-parallel ranks per worker (each publishes its own stream)"),
+    tp_size: int = typer.Option(
+        1, "--tp-size", help="Tensor-parallel ranks per worker (each publishes its own stream)"
+    ),
     partitions: int = typer.Option(8, help="Partitions of the demo topic"),
     members: int = typer.Option(2, help="Index members in the consumer group"),
     seconds: float = typer.Option(20.0, help="How long to route requests"),
     rate: float = typer.Option(150.0, help="Requests per second offered"),
     capacity: int = typer.Option(400, help="Cache capacity per worker, in blocks of 16 tokens"),
     seed: int = typer.Option(0),
-    bootstrap_servers: str = typer.Option(None, "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS", help="Existing Kafka; default: start a local one"),
+    bootstrap_servers: str = typer.Option(
+        None,
+        "--bootstrap-servers",
+        "-b",
+        envvar="KAFKA_BOOTSTRAP_SERVERS",
+        help="Existing Kafka; default: start a local one",
+    ),
 ) -> None:
     """Run simulated workers → producer → Kafka → index group → router, and report hit rate against an oracle."""
     from rich.console import Console
@@ -53,15 +61,17 @@ def demo(
         console.print("[dim]starting Kafka (first run downloads the broker jars with Maven)...[/]")
         bootstrap_servers = resolve_bootstrap()
     console.print(f"Kafka: [bold]{bootstrap_servers}[/]")
-    ok = asyncio.run(_run(console, bootstrap_servers, workers, tp_size, partitions, members, seconds, rate, capacity, seed))
+    ok = asyncio.run(
+        _run(console, bootstrap_servers, workers, tp_size, partitions, members, seconds, rate, capacity, seed)
+    )
     raise typer.Exit(0 if ok else 1)
 
 
 async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, seconds, rate, capacity, seed) -> bool:
-    from consumer.http import merge_scores
-    from consumer.ingest import IndexMember, IngestConfig
-    from producer.publisher import KafkaPublisher, PublisherConfig
-    from producer.simulator import SimConfig, Simulator
+    from kvwire.consumer.http import merge_scores
+    from kvwire.consumer.ingest import IndexMember, IngestConfig
+    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+    from kvwire.producer.simulator import SimConfig, Simulator
 
     topic = f"kvwire.demo-{uuid.uuid4().hex[:8]}"
     pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=2))
@@ -72,11 +82,15 @@ async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, se
         on_restart=lambda rank: streams[rank].new_epoch(),
     )
     await _create_topic(bootstrap, topic, partitions)
-    console.print(f"topic [bold]{topic}[/] ({partitions} partitions), {n_workers} workers x TP{tp_size}, "
-                  f"{n_members} index member(s) in one group")
+    console.print(
+        f"topic [bold]{topic}[/] ({partitions} partitions), {n_workers} workers x TP{tp_size}, "
+        f"{n_members} index member(s) in one group"
+    )
 
     group = f"kvwire-demo-{uuid.uuid4().hex[:8]}"
-    members = [IndexMember(IngestConfig(bootstrap, topic, group_id=group, heartbeat_timeout_s=3600)) for _ in range(n_members)]
+    members = [
+        IndexMember(IngestConfig(bootstrap, topic, group_id=group, heartbeat_timeout_s=3600)) for _ in range(n_members)
+    ]
     for m in members:
         await m.start()
     # wait for the group to settle: every partition owned by exactly one member
@@ -92,8 +106,15 @@ async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, se
 
     def score(tokens):
         answers = [
-            [{"instance_id": s.instance_id, "dp_rank": s.dp_rank, "matched_tokens": s.matched_tokens, "score": s.score}
-             for s in m.applier.score(tokens)]
+            [
+                {
+                    "instance_id": s.instance_id,
+                    "dp_rank": s.dp_rank,
+                    "matched_tokens": s.matched_tokens,
+                    "score": s.score,
+                }
+                for s in m.applier.score(tokens)
+            ]
             for m in members
         ]
         return merge_scores(answers, limit=8)
@@ -162,16 +183,26 @@ async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, se
     pstats = pub.stats()
     dropped = sum(s.dropped for s in pstats)
     console.rule("[bold]kvwire demo summary")
-    console.print(f"requests routed            {st.requests} ({st.requests / elapsed:.0f}/s), {st.cold} with nothing cached anywhere")
-    console.print(f"hit rate vs oracle         [bold]{st.hits / max(1, st.requests):.2%}[/] (routed to a worker holding the longest cached prefix)")
-    console.print(f"prefix tokens reused       {st.routed_tokens} of {st.best_tokens} possible "
-                  f"({st.routed_tokens / max(1, st.best_tokens):.2%}); round-robin would reuse {st.rr_tokens} "
-                  f"({st.rr_tokens / max(1, st.best_tokens):.2%})")
+    console.print(
+        f"requests routed            {st.requests} ({st.requests / elapsed:.0f}/s), {st.cold} with nothing cached anywhere"
+    )
+    console.print(
+        f"hit rate vs oracle         [bold]{st.hits / max(1, st.requests):.2%}[/] (routed to a worker holding the longest cached prefix)"
+    )
+    console.print(
+        f"prefix tokens reused       {st.routed_tokens} of {st.best_tokens} possible "
+        f"({st.routed_tokens / max(1, st.best_tokens):.2%}); round-robin would reuse {st.rr_tokens} "
+        f"({st.rr_tokens / max(1, st.best_tokens):.2%})"
+    )
     console.print(f"apply lag (ts → applied)   p50 {lag[0]} ms, p99 {lag[1]} ms")
-    console.print(f"applied                    {applied_records} records, {applied_blocks} blocks "
-                  f"({applied_blocks / elapsed:,.0f} blocks/s); {sum(len(m.applier.index) for m in members)} holder-blocks")
-    console.print(f"producer                   {sum(s.acked for s in pstats)} records acked, {dropped} dropped; "
-                  f"{st.restarts} worker restarts (new epochs), {st.clears} cache resets")
+    console.print(
+        f"applied                    {applied_records} records, {applied_blocks} blocks "
+        f"({applied_blocks / elapsed:,.0f} blocks/s); {sum(len(m.applier.index) for m in members)} holder-blocks"
+    )
+    console.print(
+        f"producer                   {sum(s.acked for s in pstats)} records acked, {dropped} dropped; "
+        f"{st.restarts} worker restarts (new epochs), {st.clears} cache resets"
+    )
     console.print(f"index == engines' caches   {exact}/{n_workers} workers exact after drain")
     for m in members:
         await m.stop()
@@ -182,15 +213,20 @@ def _lag(members) -> tuple:
     samples = sorted(x for m in members for x in m.applier.metrics._lags)
     if not samples:
         return (None, None)
-    return (round(samples[len(samples) // 2] / 1000, 2), round(samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000, 2))
+    return (
+        round(samples[len(samples) // 2] / 1000, 2),
+        round(samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000, 2),
+    )
 
 
 def _line(st: DemoStats, members, pub, elapsed: float) -> str:
     lag = _lag(members)
     hb = sum(len(m.applier.index) for m in members)
-    return (f"{elapsed:5.1f}s req {st.requests:6d}  hit {st.hits / max(1, st.requests):6.1%}  "
-            f"reuse {st.routed_tokens / max(1, st.best_tokens):6.1%} (rr {st.rr_tokens / max(1, st.best_tokens):5.1%})  "
-            f"blocks {hb:6d}  lag {lag[0]}/{lag[1]} ms")
+    return (
+        f"{elapsed:5.1f}s req {st.requests:6d}  hit {st.hits / max(1, st.requests):6.1%}  "
+        f"reuse {st.routed_tokens / max(1, st.best_tokens):6.1%} (rr {st.rr_tokens / max(1, st.best_tokens):5.1%})  "
+        f"blocks {hb:6d}  lag {lag[0]}/{lag[1]} ms"
+    )
 
 
 async def _create_topic(bootstrap, topic, partitions) -> None:

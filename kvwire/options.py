@@ -9,7 +9,8 @@ KVWIRE_KAFKA_SASL_USERNAME, KVWIRE_KAFKA_SASL_PASSWORD, KVWIRE_KAFKA_SSL_CAFILE.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 PROTOCOLS = ("PLAINTEXT", "SASL_PLAINTEXT", "SASL_SSL", "SSL")
 MECHANISMS = ("SCRAM-SHA-256", "SCRAM-SHA-512", "PLAIN")
@@ -45,7 +46,9 @@ def client_options_from_env(env: Mapping[str, str] = os.environ) -> dict:
             raise ValueError(f"KVWIRE_KAFKA_SASL_MECHANISM must be one of {', '.join(MECHANISMS)}, not {mech!r}")
         user = env.get("KVWIRE_KAFKA_SASL_USERNAME", "")
         password = env.get("KVWIRE_KAFKA_SASL_PASSWORD", "")
-        missing = [n for n, v in (("KVWIRE_KAFKA_SASL_USERNAME", user), ("KVWIRE_KAFKA_SASL_PASSWORD", password)) if not v]
+        missing = [
+            n for n, v in (("KVWIRE_KAFKA_SASL_USERNAME", user), ("KVWIRE_KAFKA_SASL_PASSWORD", password)) if not v
+        ]
         if missing:
             raise ValueError(f"{proto} needs {' and '.join(missing)}")
         opts.update(sasl_mechanism=mech, sasl_plain_username=user, sasl_plain_password=password)

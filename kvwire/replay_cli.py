@@ -6,8 +6,7 @@ import asyncio
 import json
 import sys
 import time
-from datetime import datetime, timezone
-from typing import Optional
+from datetime import UTC, datetime
 
 import typer
 
@@ -18,8 +17,8 @@ def _when(s: str) -> datetime:
     try:
         t = datetime.fromisoformat(s.replace("Z", "+00:00"))
     except ValueError:
-        raise typer.BadParameter(f"not an ISO-8601 time: {s!r}")
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+        raise typer.BadParameter(f"not an ISO-8601 time: {s!r}") from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
 
 
 def replay(
@@ -27,26 +26,41 @@ def replay(
     topic: str = typer.Option("kvwire.events", "--topic", "-t"),
     start: str = typer.Option("earliest", "--from", help="earliest | snapshot | <ISO-8601 time>"),
     until: str = typer.Option("end", "--until", help="end | <ISO-8601 time>"),
-    snapshot_dir: Optional[str] = typer.Option(None, "--snapshot-dir", help="With --from snapshot: read snapshots from this directory instead of <topic>.snapshots"),
-    json_path: Optional[str] = typer.Option(None, "--json", help="Write the summary as JSON here ('-' for stdout)"),
+    snapshot_dir: str | None = typer.Option(
+        None,
+        "--snapshot-dir",
+        help="With --from snapshot: read snapshots from this directory instead of <topic>.snapshots",
+    ),
+    json_path: str | None = typer.Option(None, "--json", help="Write the summary as JSON here ('-' for stdout)"),
 ) -> None:
     """Rebuild an index from the topic; report records, blocks/s, per-worker blocks and the digest."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from consumer.replay import replay as run_replay
-    from consumer.snapshot import snapshot_store
+    from kvwire.consumer.replay import replay as run_replay
+    from kvwire.consumer.snapshot import snapshot_store
 
     opts = client_options_from_env()
     begin: str | datetime = start if start in ("earliest", "snapshot") else _when(start)
     end = None if until == "end" else _when(until)
-    snaps = snapshot_store(bootstrap_servers, topic, directory=snapshot_dir, client_options=opts) if start == "snapshot" else None
+    snaps = (
+        snapshot_store(bootstrap_servers, topic, directory=snapshot_dir, client_options=opts)
+        if start == "snapshot"
+        else None
+    )
 
     with Progress(
-        TextColumn("[bold]replay[/]"), BarColumn(), MofNCompleteColumn(), TextColumn("records"),
-        TextColumn("{task.fields[rate]}"), TextColumn("ETA"), TimeRemainingColumn(),
+        TextColumn("[bold]replay[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("records"),
+        TextColumn("{task.fields[rate]}"),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
         # stderr: `--json -` owns stdout
-        console=Console(stderr=True), transient=False, disable=not sys.stderr.isatty(),
+        console=Console(stderr=True),
+        transient=False,
+        disable=not sys.stderr.isatty(),
     ) as bar:
         task = bar.add_task("replay", total=None, rate="")
         t0 = time.perf_counter()
@@ -57,7 +71,9 @@ def replay(
 
         async def run():
             try:
-                return await run_replay(bootstrap_servers, topic, begin, end, snapshots=snaps, client_options=opts, progress=progress)
+                return await run_replay(
+                    bootstrap_servers, topic, begin, end, snapshots=snaps, client_options=opts, progress=progress
+                )
             finally:
                 if snaps is not None:
                     await snaps.close()

@@ -5,6 +5,7 @@ command is an independent check of what the codec frames records with. The hex i
 ``SchemaNormalization.parsingFingerprint64`` prints (``%016x`` of the long); the wire header carries
 the same long little-endian (Avro single-object encoding), shown as ``header``.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,6 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -80,8 +80,9 @@ def fingerprints_doc(schemas: list[ShippedSchema]) -> dict:
 
 @app.callback(invoke_without_command=True)
 def schemas(
-    out: Optional[Path] = typer.Option(
-        None, "--out", help="write DIR/event_batch.vN.avsc and DIR/fingerprints.json instead of printing"),
+    out: Path | None = typer.Option(
+        None, "--out", help="write DIR/event_batch.vN.avsc and DIR/fingerprints.json instead of printing"
+    ),
 ) -> None:
     """Every schema version with its CRC-64-AVRO fingerprint (newest is the current writer)."""
     found = shipped()

@@ -5,20 +5,21 @@ production topic commits nothing and triggers no rebalance of the real consumers
 are printed with their partition, offset and decode error instead of stopping the tail: they are
 exactly what an operator looks for.
 """
+
 from __future__ import annotations
 
 import asyncio
 import json
 import sys
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
-from typing import IO, Any, Optional
+from datetime import UTC, datetime, timedelta
+from typing import IO, Any
 
 import typer
 
 app = typer.Typer(help="Print decoded kvwire batches from a topic (no consumer group).")
 
-_EPOCH0 = datetime(1970, 1, 1, tzinfo=timezone.utc)
+_EPOCH0 = datetime(1970, 1, 1, tzinfo=UTC)
 _U64 = (1 << 64) - 1
 _EVENT_LABEL = {"BlockStored": "STORED", "BlockRemoved": "REMOVED", "AllBlocksCleared": "CLEARED"}
 
@@ -28,11 +29,11 @@ class TailOptions:
     bootstrap_servers: str
     topic: str
     start: str = "latest"  # "earliest", "latest" or an ISO-8601 time
-    worker: Optional[str] = None
-    partition: Optional[int] = None
+    worker: str | None = None
+    partition: int | None = None
     as_json: bool = False
-    max_records: Optional[int] = None
-    timeout_s: Optional[float] = None  # stop after this long without a new record
+    max_records: int | None = None
+    timeout_s: float | None = None  # stop after this long without a new record
 
 
 class TailError(Exception):
@@ -52,19 +53,19 @@ def parse_start(value: str) -> str | int:
     except ValueError:
         raise TailError(f"--from must be earliest, latest or an ISO-8601 time, not {value!r}") from None
     if t.tzinfo is None:
-        t = t.replace(tzinfo=timezone.utc)
+        t = t.replace(tzinfo=UTC)
     return int(t.timestamp() * 1000)
 
 
 # ---------------------------------------------------------------- worker filter
 
 
-def worker_matches(wanted: Optional[str], instance_id: str, dp_rank: int) -> bool:
+def worker_matches(wanted: str | None, instance_id: str, dp_rank: int) -> bool:
     """`--worker` is an instance_id (all its DP ranks) or `instance_id/dp_rank` (the Kafka key)."""
     return wanted is None or wanted == instance_id or wanted == f"{instance_id}/{dp_rank}"
 
 
-def key_matches(wanted: Optional[str], key: Optional[bytes]) -> bool:
+def key_matches(wanted: str | None, key: bytes | None) -> bool:
     # A malformed record has no decoded worker; its key is the only attribution there is.
     if wanted is None:
         return True
@@ -128,8 +129,13 @@ def event_json(e) -> dict:
 def batch_json(batch) -> dict:
     w = batch.worker
     return {
-        "worker": {"instance_id": w.instance_id, "dp_rank": w.dp_rank, "tp_rank": w.tp_rank,
-                   "tp_size": w.tp_size, "model": w.model},
+        "worker": {
+            "instance_id": w.instance_id,
+            "dp_rank": w.dp_rank,
+            "tp_rank": w.tp_rank,
+            "tp_size": w.tp_size,
+            "model": w.model,
+        },
         "epoch": batch.epoch,
         "seq": batch.seq,
         "ts_us": batch.ts_us,
@@ -166,8 +172,10 @@ def batch_lines(partition: int, offset: int, batch) -> list[str]:
     w = batch.worker
     # Eight hex digits tell incarnations apart at a glance; --json has the full value.
     epoch = f"{batch.epoch & _U64:016x}"[:8]
-    head = (f"{_iso_us(batch.ts_us)} {partition}@{offset} {w.instance_id}/{w.dp_rank} "
-            f"tp{w.tp_rank}/{w.tp_size} epoch={epoch} seq={batch.seq}")
+    head = (
+        f"{_iso_us(batch.ts_us)} {partition}@{offset} {w.instance_id}/{w.dp_rank} "
+        f"tp{w.tp_rank}/{w.tp_size} epoch={epoch} seq={batch.seq}"
+    )
     flags = ("" if not batch.reset else " reset") + ("" if not batch.gap else f" gap={batch.gap}")
     if not batch.events:
         what = "HEARTBEAT" if batch.is_heartbeat else ("RESET" if batch.reset else "GAP")
@@ -175,7 +183,7 @@ def batch_lines(partition: int, offset: int, batch) -> list[str]:
     return [f"{head} {_event_text(e)}{flags}" for e in batch.events]
 
 
-def malformed_line(partition: int, offset: int, ts_ms: Optional[int], key: Optional[bytes], error: str) -> str:
+def malformed_line(partition: int, offset: int, ts_ms: int | None, key: bytes | None, error: str) -> str:
     when = _iso_us(ts_ms * 1000) if ts_ms is not None and ts_ms >= 0 else "-"
     k = "-" if key is None else key.decode("utf-8", "replace")
     return f"{when} {partition}@{offset} MALFORMED key={k} error={error}"
@@ -183,10 +191,14 @@ def malformed_line(partition: int, offset: int, ts_ms: Optional[int], key: Optio
 
 def render(rec, opts: TailOptions) -> list[str]:
     """Lines to print for one Kafka record ([] when filtered out). Never raises."""
-    from schemas.codec import DecodeError, decode, writer_version
+    from kvwire.schemas.codec import DecodeError, decode, writer_version
 
-    base = {"partition": rec.partition, "offset": rec.offset, "timestamp_ms": rec.timestamp,
-            "key": None if rec.key is None else rec.key.decode("utf-8", "replace")}
+    base = {
+        "partition": rec.partition,
+        "offset": rec.offset,
+        "timestamp_ms": rec.timestamp,
+        "key": None if rec.key is None else rec.key.decode("utf-8", "replace"),
+    }
     try:
         batch = decode(rec.value)
         schema_version = writer_version(rec.value).version
@@ -206,8 +218,7 @@ def render(rec, opts: TailOptions) -> list[str]:
     if not key_matches(opts.worker, rec.key):
         return []
     if opts.as_json:
-        return [json.dumps({**base, "error": error,
-                            "size": None if rec.value is None else len(rec.value)})]
+        return [json.dumps({**base, "error": error, "size": None if rec.value is None else len(rec.value)})]
     return [malformed_line(rec.partition, rec.offset, rec.timestamp, rec.key, error)]
 
 
@@ -291,12 +302,16 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
 def tail(
     bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
     topic: str = typer.Option(..., "--topic"),
-    start: str = typer.Option("latest", "--from", help="earliest, latest, or an ISO-8601 time: start at each partition's first record stamped at or after it (UTC if no offset)"),
-    worker: Optional[str] = typer.Option(None, "--worker", help="instance_id, or instance_id/dp_rank"),
-    partition: Optional[int] = typer.Option(None, "--partition"),
+    start: str = typer.Option(
+        "latest",
+        "--from",
+        help="earliest, latest, or an ISO-8601 time: start at each partition's first record stamped at or after it (UTC if no offset)",
+    ),
+    worker: str | None = typer.Option(None, "--worker", help="instance_id, or instance_id/dp_rank"),
+    partition: int | None = typer.Option(None, "--partition"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object per record"),
-    max_records: Optional[int] = typer.Option(None, "--max-records", min=1),
-    timeout: Optional[float] = typer.Option(None, "--timeout", help="stop after S seconds without a record"),
+    max_records: int | None = typer.Option(None, "--max-records", min=1),
+    timeout: float | None = typer.Option(None, "--timeout", help="stop after S seconds without a record"),
 ) -> None:
     """Print decoded kvwire batches: one line per event, or JSON lines with --json."""
     opts = TailOptions(bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout)
@@ -305,11 +320,11 @@ def tail(
         asyncio.run(run_tail(opts, sys.stdout))
     except TailError as e:
         typer.echo(f"kvwire tail: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     except BrokenPipeError:  # `kvwire tail ... | head` is normal use
-        raise typer.Exit(0)
+        raise typer.Exit(0) from None
     except KeyboardInterrupt:
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
 
 
 if __name__ == "__main__":

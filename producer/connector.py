@@ -33,7 +33,8 @@ import dataclasses
 import importlib
 import logging
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -85,7 +86,7 @@ def _inner_vllm_config(vllm_config: Any, opts: dict) -> Any:
 
 def worker_identity(vllm_config: Any, instance_id: str, model: str | None = None):
     """(instance, dp rank, tp rank, tp size) of the worker running this code."""
-    from schemas.events import WorkerId
+    from kvwire.schemas.events import WorkerId
 
     pc = vllm_config.parallel_config
     tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
@@ -112,8 +113,7 @@ class KVWireConnector(KVConnectorBase_V1):
     # without a config (build_kv_connector_stats) then reach the right inner class.
     _inner_cls_hint: type | None = None
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any, *,
-                 sink: Any = None):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any, *, sink: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         opts = kvwire_options(self._kv_transfer_config.kv_connector_extra_config)
         self._opts = opts
@@ -249,8 +249,9 @@ class KVWireConnector(KVConnectorBase_V1):
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
-        return resolve_inner_class(kvwire_options(kv_transfer_config.kv_connector_extra_config)) \
-            .supports_sleep_mode(kv_transfer_config)
+        return resolve_inner_class(kvwire_options(kv_transfer_config.kv_connector_extra_config)).supports_sleep_mode(
+            kv_transfer_config
+        )
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:

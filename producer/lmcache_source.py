@@ -19,7 +19,7 @@ the same events through ``LMCacheConnectorV1``):
    see an unknown parent and do not chain the block, whereas ``None`` would
    claim the chunk starts a sequence and make the index invent a wrong prefix.
 3. ``medium`` is ``"cpu"`` or a ``torch.device``: normalised like any medium
-   (``producer.vllm_wire.normalize_medium``, so "cpu" -> "CPU").
+   (``kvwire.producer.vllm_wire.normalize_medium``, so "cpu" -> "CPU").
 
 No torch import here: the engine object is handed in by the caller.
 """
@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from msgspec.structs import replace
 
-from schemas.events import BlockStored, KVEvent
+from kvwire.schemas.events import BlockStored, KVEvent
 
 from .sink import EventSink
 from .vllm_wire import WireError, event_from_object
@@ -146,8 +147,7 @@ class LMCacheSource:
     the caller owns one.
     """
 
-    def __init__(self, engine: Any, sink: EventSink, interval_s: float = 0.05,
-                 repair: LMCacheRepair | None = None):
+    def __init__(self, engine: Any, sink: EventSink, interval_s: float = 0.05, repair: LMCacheRepair | None = None):
         self.engine = engine
         self.sink = sink
         self.interval_s = interval_s
@@ -179,7 +179,7 @@ class LMCacheSource:
             self.poll_once()
         self.poll_once()  # what was stored before stop() still goes out
 
-    def start(self) -> "LMCacheSource":
+    def start(self) -> LMCacheSource:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="kvwire-lmcache-source", daemon=True)
             self._thread.start()
@@ -192,4 +192,4 @@ class LMCacheSource:
             self._thread = None
 
 
-__all__ = ["LMCacheRepair", "LMCacheSource", "RepairStats", "UNKNOWN_PARENT", "engine_chunk_hasher"]
+__all__ = ["UNKNOWN_PARENT", "LMCacheRepair", "LMCacheSource", "RepairStats", "engine_chunk_hasher"]

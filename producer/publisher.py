@@ -21,16 +21,16 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
-from schemas.codec import CONTENT_TYPE, CURRENT, encode
-from schemas.events import EventBatch, KVEvent, WorkerId
+from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, encode
+from kvwire.schemas.events import EventBatch, KVEvent, WorkerId
 
 from .config import PublisherConfig
 from .partitioner import default_partition
 
-__all__ = ["KafkaPublisher", "PublisherConfig", "RankStream", "StreamStats", "AckInfo"]
+__all__ = ["AckInfo", "KafkaPublisher", "PublisherConfig", "RankStream", "StreamStats"]
 
 log = logging.getLogger("kvwire.producer")
 
@@ -51,7 +51,7 @@ def _new_epoch_id() -> int:
 
 
 class _Epoch:
-    __slots__ = ("id", "base_lost")
+    __slots__ = ("base_lost", "id")
 
     def __init__(self, base_lost: int) -> None:
         self.id = _new_epoch_id()
@@ -90,7 +90,7 @@ class RankStream:
     """One TP rank's stream: its own epoch and contiguous seq. Get one from
     :meth:`KafkaPublisher.stream`."""
 
-    def __init__(self, pub: "KafkaPublisher", worker: WorkerId, source: str) -> None:
+    def __init__(self, pub: KafkaPublisher, worker: WorkerId, source: str) -> None:
         self._pub = pub
         self.worker = worker
         self.source = source
@@ -163,8 +163,11 @@ class RankStream:
             self.dropped += 1
         if not self._garbage_logged:
             self._garbage_logged = True
-            log.warning("%s: publish() got %s, not a sequence of events; dropped (logged once)",
-                        self.worker.rank, type(events).__name__)
+            log.warning(
+                "%s: publish() got %s, not a sequence of events; dropped (logged once)",
+                self.worker.rank,
+                type(events).__name__,
+            )
 
     def new_epoch(self) -> int:
         """The engine restarted: the next record opens a fresh epoch (reset, seq 0).
@@ -200,9 +203,20 @@ class RankStream:
 
     def stats(self) -> StreamStats:
         return StreamStats(
-            self.worker, self.source, self._epoch.id, self.published, self.sent, self.acked,
-            self.dropped, self.lost, self.failed, self.gaps_reported, self.gap_sent,
-            self._enq - self._taken, self._next_seq)
+            self.worker,
+            self.source,
+            self._epoch.id,
+            self.published,
+            self.sent,
+            self.acked,
+            self.dropped,
+            self.lost,
+            self.failed,
+            self.gaps_reported,
+            self.gap_sent,
+            self._enq - self._taken,
+            self._next_seq,
+        )
 
 
 class KafkaPublisher:
@@ -235,8 +249,7 @@ class KafkaPublisher:
         self._loop = asyncio.new_event_loop()
         self._wake_ev: asyncio.Event | None = None
         ready = threading.Event()
-        self._thread = threading.Thread(target=self._thread_main, args=(ready,),
-                                        name="kvwire-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, args=(ready,), name="kvwire-publisher", daemon=True)
         self._thread.start()
         ready.wait()
         atexit.register(self.close)
@@ -285,7 +298,7 @@ class KafkaPublisher:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10.0)
 
-    def __enter__(self) -> "KafkaPublisher":
+    def __enter__(self) -> KafkaPublisher:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -349,14 +362,19 @@ class KafkaPublisher:
                 self._num_partitions = len(parts)
                 self._producer = producer
                 self._started = True
-                log.info("publisher connected to %s, topic %s (%d partitions)",
-                         cfg.bootstrap_servers, cfg.topic, len(parts))
+                log.info(
+                    "publisher connected to %s, topic %s (%d partitions)", cfg.bootstrap_servers, cfg.topic, len(parts)
+                )
                 return
             except Exception as e:
                 failures += 1
                 # Once loudly, then quietly: the watchdog reports the outage itself.
-                log.log(logging.WARNING if failures == 1 else logging.DEBUG,
-                        "Kafka producer start failed (%s: %s); retrying", type(e).__name__, e)
+                log.log(
+                    logging.WARNING if failures == 1 else logging.DEBUG,
+                    "Kafka producer start failed (%s: %s); retrying",
+                    type(e).__name__,
+                    e,
+                )
                 try:
                     await asyncio.wait_for(producer.stop(), 5)
                 except Exception:
@@ -367,15 +385,19 @@ class KafkaPublisher:
         from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
         cfg = self.config
-        opts = {k: v for k, v in cfg.client_options.items()
-                if k.startswith(("security_", "sasl_", "ssl_")) or k in ("client_id",)}
+        opts = {
+            k: v
+            for k, v in cfg.client_options.items()
+            if k.startswith(("security_", "sasl_", "ssl_")) or k in ("client_id",)
+        }
         admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, **opts)
         await admin.start()
         try:
             if cfg.topic in await admin.list_topics():
                 return
             resp = await admin.create_topics(
-                [NewTopic(cfg.topic, cfg.partitions, cfg.replication_factor)], timeout_ms=30000)
+                [NewTopic(cfg.topic, cfg.partitions, cfg.replication_factor)], timeout_ms=30000
+            )
             # create_topics reports errors in the response; 36 = TOPIC_ALREADY_EXISTS (a race).
             for t in resp.topic_errors:
                 if t[1] not in (0, 36):
@@ -425,8 +447,9 @@ class KafkaPublisher:
             st._reset_due = True
         gap = lost_snap - st._accounted + st._carry
         try:
-            value = encode(EventBatch(st.worker, epoch.id, st._next_seq, ts_us, events,
-                                      engine_ts, st._reset_due, gap, st.source))
+            value = encode(
+                EventBatch(st.worker, epoch.id, st._next_seq, ts_us, events, engine_ts, st._reset_due, gap, st.source)
+            )
             if len(value) > _MAX_RECORD:
                 raise ValueError(f"record of {len(value)} bytes exceeds {_MAX_RECORD}")
         except Exception as e:
@@ -434,8 +457,9 @@ class KafkaPublisher:
             return
         if st._partition is None:
             cfg = self.config
-            st._partition = (cfg.partition if cfg.partition is not None
-                             else default_partition(st.key, self._num_partitions))
+            st._partition = (
+                cfg.partition if cfg.partition is not None else default_partition(st.key, self._num_partitions)
+            )
         fut = await self._append(value, st, ts_us)
         if fut is None:
             self._lose(st, lost_snap, gap, "producer refused the record")
@@ -458,8 +482,8 @@ class KafkaPublisher:
         while True:
             try:
                 return await self._producer.send(
-                    cfg.topic, value, key=st.key, partition=st._partition,
-                    timestamp_ms=ts_us // 1000, headers=HEADERS)
+                    cfg.topic, value, key=st.key, partition=st._partition, timestamp_ms=ts_us // 1000, headers=HEADERS
+                )
             except (KafkaTimeoutError, KafkaError) as e:
                 if not (isinstance(e, KafkaTimeoutError) or getattr(e, "retriable", False)):
                     log.error("%s: record refused: %s: %s", st.worker.rank, type(e).__name__, e)
@@ -487,8 +511,13 @@ class KafkaPublisher:
             # record's gap also owns up to.
             st.failed += 1
             st._carry += 1
-            log.error("%s: record epoch=%d seq=%d failed: %r", st.worker.rank, epoch, seq,
-                      None if fut.cancelled() else fut.exception())
+            log.error(
+                "%s: record epoch=%d seq=%d failed: %r",
+                st.worker.rank,
+                epoch,
+                seq,
+                None if fut.cancelled() else fut.exception(),
+            )
             return
         md = fut.result()
         st.acked += 1
@@ -546,10 +575,10 @@ class KafkaPublisher:
         self._closing = True
         self._wake_ev.set()
         pump = self._tasks[0]
-        remaining = lambda: max(0.0, deadline - time.monotonic())  # noqa: E731
+        remaining = lambda: max(0.0, deadline - time.monotonic())
         try:
             await asyncio.wait_for(asyncio.shield(pump), remaining())
-        except (asyncio.TimeoutError, Exception):
+        except (TimeoutError, Exception):
             pump.cancel()
             await asyncio.gather(pump, return_exceptions=True)
         # Whatever is still queued could not be sent in time: count it, there is no next record.
@@ -561,7 +590,7 @@ class KafkaPublisher:
         if producer is not None:
             try:
                 await asyncio.wait_for(producer.flush(), remaining())
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 log.error("close(): %d records unacknowledged at the deadline", self._unacked)
                 # aiokafka's stop() waits for every pending batch forever; fail them instead.
                 from aiokafka.errors import KafkaTimeoutError
@@ -569,7 +598,7 @@ class KafkaPublisher:
                 producer._message_accumulator.fail_all(KafkaTimeoutError())
             try:
                 await asyncio.wait_for(producer.stop(), max(remaining(), 2.0))
-            except (asyncio.TimeoutError, Exception):
+            except (TimeoutError, Exception):
                 log.exception("producer.stop() did not finish")
         for t in self._tasks[1:]:
             t.cancel()

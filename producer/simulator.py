@@ -15,10 +15,10 @@ import hashlib
 import random
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, WorkerId
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, WorkerId
 
 Sink = Callable[[WorkerId, list[KVEvent]], None]
 
@@ -66,8 +66,12 @@ class _Session:
 
 
 class Simulator:
-    def __init__(self, config: SimConfig | None = None, sink: Sink | None = None,
-                 on_restart: Callable[[WorkerId], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig | None = None,
+        sink: Sink | None = None,
+        on_restart: Callable[[WorkerId], None] | None = None,
+    ) -> None:
         self.cfg = c = config or SimConfig()
         self.sink = sink
         self.on_restart = on_restart
@@ -75,16 +79,15 @@ class Simulator:
         # vLLM seeds its chain with NONE_HASH; one value for the fleet (PYTHONHASHSEED set).
         self._none_hash = self.rng.randbytes(32)
         self._hash = self._make_hasher(c.hash_algo)
-        self.workers: list[tuple[str, int]] = [
-            (f"sim-{i // c.dp_size}", i % c.dp_size) for i in range(c.workers)]
+        self.workers: list[tuple[str, int]] = [(f"sim-{i // c.dp_size}", i % c.dp_size) for i in range(c.workers)]
         self.ranks: list[list[WorkerId]] = [
-            [WorkerId(inst, dp, tp, c.tp_size, c.model) for tp in range(c.tp_size)]
-            for inst, dp in self.workers]
+            [WorkerId(inst, dp, tp, c.tp_size, c.model) for tp in range(c.tp_size)] for inst, dp in self.workers
+        ]
         # Per worker: engine hash -> chain digest, in LRU order (oldest first).
         self.caches: list[OrderedDict[int, bytes]] = [OrderedDict() for _ in self.workers]
         self.system_prompts = [
-            self._tokens(self.rng.randint(*c.system_prompt_blocks) * c.block_size)
-            for _ in range(c.system_prompts)]
+            self._tokens(self.rng.randint(*c.system_prompt_blocks) * c.block_size) for _ in range(c.system_prompts)
+        ]
         self.sessions: list[_Session] = []
         self.steps = 0
         self.restarts = 0
@@ -94,6 +97,7 @@ class Simulator:
 
     def _make_hasher(self, algo: str) -> Callable[[bytes, bytes], tuple[bytes, int]]:
         if algo == "sha256":
+
             def h(parent: bytes, tokens: bytes) -> tuple[bytes, int]:
                 d = hashlib.sha256(parent + tokens).digest()
                 return d, int.from_bytes(d[-8:], "big")  # low 64 bits, unsigned: often >= 2^63
@@ -113,7 +117,7 @@ class Simulator:
         parent = self._none_hash
         out = []
         for i in range(len(tokens) // bs):
-            parent, eh = self._hash(parent, tokens[i * bs:(i + 1) * bs].tobytes())
+            parent, eh = self._hash(parent, tokens[i * bs : (i + 1) * bs].tobytes())
             out.append((eh, parent))
         return out
 
@@ -182,9 +186,15 @@ class Simulator:
             for eh, d in new:
                 cache[eh] = d
             bs = self.cfg.block_size
-            events.append(BlockStored(
-                tuple(eh for eh, _ in new), chain[hit - 1][0] if hit else None,
-                tokens[hit * bs:len(chain) * bs], bs, medium=self.cfg.medium))
+            events.append(
+                BlockStored(
+                    tuple(eh for eh, _ in new),
+                    chain[hit - 1][0] if hit else None,
+                    tokens[hit * bs : len(chain) * bs],
+                    bs,
+                    medium=self.cfg.medium,
+                )
+            )
         self._emit(worker, events)
         return events
 

@@ -6,9 +6,10 @@ so they are tested against an in-memory sink and run against the Kafka one.
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
-from schemas.events import KVEvent
+from kvwire.schemas.events import KVEvent
 
 
 @runtime_checkable

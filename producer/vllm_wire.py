@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, token_array
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, token_array
 
 _WELL_KNOWN_MEDIA = {"GPU", "CPU", "STORAGE"}
 

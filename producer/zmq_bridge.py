@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
-
 from zmq.utils.monitor import parse_monitor_message
 
 from .sink import EventSink
@@ -283,4 +282,4 @@ class ZmqBridge:
             self._deliver(seq, payload)
 
 
-__all__ = ["BridgeConfig", "BridgeStats", "END_SEQ", "ZmqBridge"]
+__all__ = ["END_SEQ", "BridgeConfig", "BridgeStats", "ZmqBridge"]

@@ -17,7 +17,24 @@ from .events import (
 )
 
 __all__ = [
-    "AllBlocksCleared", "BlockHash", "BlockRemoved", "BlockStored", "CONTENT_TYPE", "CPU", "CURRENT",
-    "CodecError", "DecodeError", "EncodeError", "EventBatch", "GPU", "KVEvent", "STORAGE", "VERSIONS",
-    "WorkerId", "decode", "encode", "stored", "token_array",
+    "CONTENT_TYPE",
+    "CPU",
+    "CURRENT",
+    "GPU",
+    "STORAGE",
+    "VERSIONS",
+    "AllBlocksCleared",
+    "BlockHash",
+    "BlockRemoved",
+    "BlockStored",
+    "CodecError",
+    "DecodeError",
+    "EncodeError",
+    "EventBatch",
+    "KVEvent",
+    "WorkerId",
+    "decode",
+    "encode",
+    "stored",
+    "token_array",
 ]

@@ -98,9 +98,7 @@ def _load_versions() -> dict[int, SchemaVersion]:
         # fastavro's hex already lists the fingerprint's little-endian bytes,
         # which is the order single-object encoding puts on the wire.
         fp = bytes.fromhex(fingerprint(canonical, "CRC-64-AVRO"))
-        out[int(m.group(1))] = SchemaVersion(
-            int(m.group(1)), raw, fastavro.parse_schema(raw), canonical, fp
-        )
+        out[int(m.group(1))] = SchemaVersion(int(m.group(1)), raw, fastavro.parse_schema(raw), canonical, fp)
     if not out:
         raise RuntimeError("no schemas shipped in schemas/avro")
     return dict(sorted(out.items()))
@@ -164,7 +162,7 @@ def unpack_hashes(kind: str, width: int, data: bytes) -> tuple[BlockHash, ...]:
 def _unpack_one(kind: str, width: int, data: bytes | None) -> BlockHash | None:
     if data is None:
         return None
-    if kind != "DIGEST" and len(data) != 8 or kind == "DIGEST" and len(data) != width:
+    if (kind != "DIGEST" and len(data) != 8) or (kind == "DIGEST" and len(data) != width):
         raise DecodeError(f"parent hash: {len(data)} bytes for {kind}/{width}")
     return unpack_hashes(kind, width, data)[0]
 
@@ -209,9 +207,7 @@ def _extra_out(keys):
 def _extra_in(keys):
     if keys is None:
         return None
-    return tuple(
-        None if b is None else tuple(tuple(k) if type(k) is list else k for k in b) for b in keys
-    )
+    return tuple(None if b is None else tuple(tuple(k) if type(k) is list else k for k in b) for b in keys)
 
 
 # ---------------------------------------------------------------- encode
@@ -397,12 +393,12 @@ __all__ = [
     "BY_FINGERPRINT",
     "CONTENT_TYPE",
     "CURRENT",
+    "MAGIC",
+    "VERSIONS",
     "CodecError",
     "DecodeError",
     "EncodeError",
-    "MAGIC",
     "SchemaVersion",
-    "VERSIONS",
     "decode",
     "decode_record",
     "encode",

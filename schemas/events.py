@@ -14,13 +14,14 @@ the index applies them. Field names and meanings follow vLLM's
 from __future__ import annotations
 
 from array import array
+from collections.abc import Iterable, Sequence
+
 import msgspec
 from msgspec.structs import force_setattr as _force
-from typing import Iterable, Sequence, Union
 
 # A block hash as engines emit it: an unsigned 64-bit int (vLLM default), a
 # possibly negative Python int (LMCache), or a digest (vLLM with int hashes off).
-BlockHash = Union[int, bytes]
+BlockHash = int | bytes
 # One block's extra hash keys: LoRA name, (mm identifier, offset) pairs,
 # cache_salt, prompt-embeds digest. Values are str/int/float/bool/bytes/None or
 # a tuple of those.
@@ -123,7 +124,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True):
     """The worker dropped every block it held (vLLM ``reset_prefix_cache``)."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, frozen=True):
@@ -171,15 +172,15 @@ def stored(
 
 
 __all__ = [
+    "CPU",
+    "GPU",
+    "STORAGE",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",
     "BlockStored",
-    "CPU",
     "EventBatch",
-    "GPU",
     "KVEvent",
-    "STORAGE",
     "WorkerId",
     "stored",
     "token_array",

@@ -1,16 +1,17 @@
 """Shared fixtures. Integration tests take `kafka_bootstrap`: a real broker, never a fake one.
 
 Without a broker they skip locally but FAIL under CI=true, so CI can never go green by skipping."""
+
 from __future__ import annotations
 
 import os
 import uuid
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
+from kafka_admin import create_topics, delete_topics
 
 from kvwire.broker.probe import run_sync
-from kafka_admin import create_topics, delete_topics
 
 
 def _in_ci() -> bool:

@@ -1,9 +1,9 @@
-"""Brute-force reference model of ``consumer.index.PrefixIndex``.
+"""Brute-force reference model of ``kvwire.consumer.index.PrefixIndex``.
 
 Plain dicts, no incremental counters: every answer is recomputed from the raw
 per-(rank, medium, group) engine-hash entries, so it is slow and obviously
 right. Block keys are chained here with the ``xxhash`` package, one call per
-block, independently of the numba XXH3 in ``consumer.keys``; only the seed
+block, independently of the numba XXH3 in ``kvwire.consumer.keys``; only the seed
 definitions (context, orphan root, namespaces) are shared.
 
 Semantics mirrored (see consumer/index.py's docstring): refcounted duplicate
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import xxhash
 
-from consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats, normalize_medium
-from consumer.keys import ENGINE_NS, ROOT, context_seed, canonical, engine_hash_u64, normalize_extra, orphan_root
+from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats, normalize_medium
+from kvwire.consumer.keys import ENGINE_NS, ROOT, canonical, context_seed, engine_hash_u64, normalize_extra, orphan_root
 
 M64 = (1 << 64) - 1
 
@@ -38,7 +38,7 @@ def chain(tokens, bs: int, parent: int, lora_name=None, extra_keys=None, n: int 
 
 
 class _Entry:
-    __slots__ = ("key", "ref", "orphan", "engine")
+    __slots__ = ("engine", "key", "orphan", "ref")
 
     def __init__(self, key, orphan, engine):
         self.key, self.ref, self.orphan, self.engine = key, 1, orphan, engine
@@ -81,7 +81,7 @@ class Oracle:
             if ev.parent_block_hash is not None:
                 parent, orphan = self._parent(rank, table, engine_hash_u64(ev.parent_block_hash))
             keys = chain(list(ev.token_ids), ev.block_size, parent, ev.lora_name, ev.extra_keys, n)
-        for eh, key in zip(ehs, keys):
+        for eh, key in zip(ehs, keys, strict=False):
             e = table.get(eh)
             if e is not None:
                 e.ref += 1
@@ -106,7 +106,7 @@ class Oracle:
 
     def apply_batch(self, rank, events) -> int:
         """PrefixIndex.apply_batch's contract, one event at a time."""
-        from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
+        from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
         blocks = 0
         for ev in events:
@@ -186,10 +186,15 @@ class Oracle:
             entries = [e for tables in ranks.values() for t in tables.values() for e in t.values()]
             cids = [(w, r) + k for r, tables in ranks.items() for k in tables]
             out[w] = WorkerStats(
-                w[0], w[1], self.tp[w], len(ranks),
+                w[0],
+                w[1],
+                self.tp[w],
+                len(ranks),
                 {m: len(keys) for (ww, m), keys in hold.items() if ww == w},
-                len(entries), sum(e.orphan for e in entries),
-                sum(self.unknown.get(c, 0) for c in cids), sum(self.dups.get(c, 0) for c in cids),
+                len(entries),
+                sum(e.orphan for e in entries),
+                sum(self.unknown.get(c, 0) for c in cids),
+                sum(self.dups.get(c, 0) for c in cids),
             )
         return out
 
@@ -207,7 +212,7 @@ class Oracle:
         hold = self.holders()
         allowed = None if workers is None else {tuple(w) for w in workers}
         out = []
-        for w, ranks in self.ranks.items():
+        for w in self.ranks:
             if allowed is not None and w not in allowed:
                 continue
             media = [m for (ww, m) in hold if ww == w]

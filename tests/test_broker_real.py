@@ -1,5 +1,6 @@
 """The broker under every integration test is a real Kafka: groups rebalance, offsets persist,
 idempotent producers are accepted, and the log survives a crash."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,16 +18,25 @@ pytestmark = pytest.mark.integration
 
 def _consumer(bootstrap: str, group: str, *topics: str) -> AIOKafkaConsumer:
     return AIOKafkaConsumer(
-        *topics, bootstrap_servers=bootstrap, group_id=group, auto_offset_reset="earliest",
-        enable_auto_commit=False, session_timeout_ms=10000, heartbeat_interval_ms=500)
+        *topics,
+        bootstrap_servers=bootstrap,
+        group_id=group,
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        session_timeout_ms=10000,
+        heartbeat_interval_ms=500,
+    )
 
 
 async def _produce(bootstrap: str, topic: str, partitions: int, per_partition: int) -> None:
     producer = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
     await producer.start()
     try:
-        futs = [await producer.send(topic, f"{p}:{i}".encode(), partition=p)
-                for i in range(per_partition) for p in range(partitions)]
+        futs = [
+            await producer.send(topic, f"{p}:{i}".encode(), partition=p)
+            for i in range(per_partition)
+            for p in range(partitions)
+        ]
         metas = await asyncio.gather(*futs)
     finally:
         await producer.stop()
@@ -54,8 +64,9 @@ async def test_group_members_split_partitions(kafka_bootstrap, new_topic):
         got: dict[AIOKafkaConsumer, list] = {c1: [], c2: []}
         async with asyncio.timeout(60):
             while sum(map(len, got.values())) < 100:
-                for c, batch in zip((c1, c2), await asyncio.gather(
-                        c1.getmany(timeout_ms=200), c2.getmany(timeout_ms=200))):
+                for c, batch in zip(
+                    (c1, c2), await asyncio.gather(c1.getmany(timeout_ms=200), c2.getmany(timeout_ms=200)), strict=False
+                ):
                     for tp, recs in batch.items():
                         assert tp in c.assignment(), "record from a partition the member does not own"
                         got[c].extend((tp.partition, r.offset) for r in recs)
@@ -80,8 +91,7 @@ async def test_committed_offsets_survive_consumer_restart(kafka_bootstrap, new_t
             while len(seen) < 15:
                 for tp, recs in (await first.getmany(timeout_ms=500, max_records=15 - len(seen))).items():
                     seen.update((tp.partition, r.offset) for r in recs)
-        commit = {TopicPartition(topic, p): max(o for q, o in seen if q == p) + 1
-                  for p in {p for p, _ in seen}}
+        commit = {TopicPartition(topic, p): max(o for q, o in seen if q == p) + 1 for p in {p for p, _ in seen}}
         await first.commit(commit)
         for tp, off in commit.items():
             assert await first.committed(tp) == off
@@ -118,18 +128,18 @@ def test_cli_start_is_idempotent():
     _need_toolchain()
     lines = []
     for _ in range(2):
-        r = subprocess.run([sys.executable, "-m", "kvwire.cli", "kafka", "start"],
-                           capture_output=True, text=True, timeout=180)
+        r = subprocess.run(
+            [sys.executable, "-m", "kvwire.cli", "kafka", "start"], capture_output=True, text=True, timeout=180
+        )
         assert r.returncode == 0, r.stderr
         lines.append(r.stdout.strip().splitlines()[-1])
     assert lines[0] == lines[1]
     host, _, port = lines[0].rpartition(":")
     assert host == "127.0.0.1" and port.isdigit()
-    r = subprocess.run([sys.executable, "-m", "kvwire.cli", "kafka", "status"],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvwire.cli", "kafka", "status"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-
-
 
 
 async def test_killed_broker_restarts_with_its_log(tmp_path):

@@ -4,9 +4,19 @@ import subprocess
 import sys
 
 CORE = [
-    "schemas", "schemas.codec", "producer.publisher", "producer.simulator", "producer.vllm_wire",
-    "producer.zmq_bridge", "consumer.apply", "consumer.ingest", "consumer.index", "consumer.http",
-    "consumer.snapshot", "consumer.replay", "kvwire.cli",
+    "kvwire.schemas",
+    "kvwire.schemas.codec",
+    "kvwire.producer.publisher",
+    "kvwire.producer.simulator",
+    "kvwire.producer.vllm_wire",
+    "kvwire.producer.zmq_bridge",
+    "kvwire.consumer.apply",
+    "kvwire.consumer.ingest",
+    "kvwire.consumer.index",
+    "kvwire.consumer.http",
+    "kvwire.consumer.snapshot",
+    "kvwire.consumer.replay",
+    "kvwire.cli",
 ]
 
 

@@ -4,6 +4,7 @@
 answers, else the Maven-resolved `LocalKafka` (left running for later runs; `kvwire kafka stop` ends it).
 $KVWIRE_KAFKA_BACKEND=local|docker forces one of the last two.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -13,8 +14,16 @@ import os
 from .container import DockerKafka, docker_available
 from .local import BrokerError, LocalKafka, Status, default_home, default_port
 
-__all__ = ["BrokerError", "DockerKafka", "LocalKafka", "Status", "default_home", "default_port",
-           "docker_available", "resolve_bootstrap"]
+__all__ = [
+    "BrokerError",
+    "DockerKafka",
+    "LocalKafka",
+    "Status",
+    "default_home",
+    "default_port",
+    "docker_available",
+    "resolve_bootstrap",
+]
 
 log = logging.getLogger("kvwire.broker")
 _containers: list[DockerKafka] = []

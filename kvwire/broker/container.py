@@ -1,4 +1,5 @@
 """apache/kafka in a testcontainer, for developers who do have a Docker engine."""
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """A real single-node KRaft Kafka run straight from Maven Central jars: no Docker engine on our dev
 and CI machines, and a mock broker would hide exactly the group/offset semantics kvwire relies on."""
+
 from __future__ import annotations
 
 import base64
@@ -14,9 +15,10 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from . import probe
 
@@ -116,7 +118,8 @@ class LocalKafka:
             if probe.port_open("127.0.0.1", self.port) or probe.port_open("127.0.0.1", self.controller_port):
                 raise BrokerError(
                     f"port {self.port} or {self.controller_port} is taken by a process that is not "
-                    f"the broker of {self.home}; set KVWIRE_KAFKA_PORT or KAFKA_BOOTSTRAP_SERVERS")
+                    f"the broker of {self.home}; set KVWIRE_KAFKA_PORT or KAFKA_BOOTSTRAP_SERVERS"
+                )
             self.ensure_libs()
             self._write_config()
             self._format()
@@ -184,9 +187,20 @@ class LocalKafka:
         self.libs.mkdir(parents=True)
         t0 = time.monotonic()
         r = subprocess.run(
-            [mvn, "-q", "-B", "-f", str(POM), "dependency:copy-dependencies",
-             "-DincludeScope=runtime", f"-DoutputDirectory={self.libs}"],
-            capture_output=True, text=True, cwd=self.libs)
+            [
+                mvn,
+                "-q",
+                "-B",
+                "-f",
+                str(POM),
+                "dependency:copy-dependencies",
+                "-DincludeScope=runtime",
+                f"-DoutputDirectory={self.libs}",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=self.libs,
+        )
         if r.returncode != 0:
             raise BrokerError(f"maven failed ({r.returncode}):\n{r.stdout[-3000:]}{r.stderr[-3000:]}")
         marker.write_text(stamp)
@@ -248,9 +262,16 @@ class LocalKafka:
     def _format(self) -> None:
         if (self.data_dir / "meta.properties").exists():
             return  # already formatted: keep the cluster id and the log
-        cmd = self._java("kafka.tools.StorageTool", "format", "-t", new_cluster_id(),
-                         "-c", str(self.config_path), *self.format_args,
-                         opts=["-Xmx256m", "-XX:TieredStopAtLevel=1"])
+        cmd = self._java(
+            "kafka.tools.StorageTool",
+            "format",
+            "-t",
+            new_cluster_id(),
+            "-c",
+            str(self.config_path),
+            *self.format_args,
+            opts=["-Xmx256m", "-XX:TieredStopAtLevel=1"],
+        )
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise BrokerError(f"kafka storage format failed:\n{r.stdout[-2000:]}{r.stderr[-2000:]}")
@@ -272,8 +293,13 @@ class LocalKafka:
         # `sh -c '... &'` orphans the JVM at once: no zombie or ResourceWarning in the caller,
         # and its own session keeps it alive after the CLI or pytest exits.
         log_file = shlex.quote(str(self.log_path))
-        r = subprocess.run(["sh", "-c", f"{quoted} >>{log_file} 2>&1 </dev/null & echo $!"],
-                           capture_output=True, text=True, start_new_session=True, check=True)
+        r = subprocess.run(
+            ["sh", "-c", f"{quoted} >>{log_file} 2>&1 </dev/null & echo $!"],
+            capture_output=True,
+            text=True,
+            start_new_session=True,
+            check=True,
+        )
         pid = int(r.stdout.strip())
         self.pid_path.write_text(f"{pid}\n")
         log.info("started Kafka pid %s on %s (log %s)", pid, self.bootstrap, self.log_path)

@@ -1,11 +1,13 @@
 """Readiness = a real Kafka round trip, not just an open port: a KRaft broker accepts connections
 before its controller has registered it, and clients then fail with NOT_CONTROLLER / no brokers."""
+
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 

@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(600)
 def test_bench_smoke_writes_every_summary_key(kafka_bootstrap, tmp_path):
     env = dict(os.environ, KVWIRE_BENCH_RESULTS=str(tmp_path))
-    p = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--bootstrap", kafka_bootstrap],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=580)
+    p = subprocess.run(
+        [sys.executable, "-m", "bench", "--smoke", "--bootstrap", kafka_bootstrap],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=580,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert tuple(summary) == SUMMARY_KEYS

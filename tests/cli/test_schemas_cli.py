@@ -1,5 +1,6 @@
 """`kvwire schemas`: every shipped version with its CRC-64-AVRO fingerprint, printed or exported.
 The Java side of these fingerprints is checked in tests/interop/test_java_consumer.py."""
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,7 @@ from typer.testing import CliRunner
 from kvwire.cli import app
 from kvwire.schemas_cli import shipped
 
-SHIPPED = sorted(e.name for e in resources.files("schemas").joinpath("avro").iterdir()
-                 if e.name.endswith(".avsc"))
+SHIPPED = sorted(e.name for e in resources.files("schemas").joinpath("avro").iterdir() if e.name.endswith(".avsc"))
 
 
 def _crc64_avro(data: bytes) -> int:
@@ -48,7 +48,7 @@ def test_print_lists_every_version():
     lines = res.output.splitlines()
     found = shipped()
     assert len(lines) == len(found)
-    for line, s in zip(lines, found):
+    for line, s in zip(lines, found, strict=False):
         assert line.startswith(f"v{s.version}  dev.kvwire.EventBatch/v{s.version}  fingerprint={s.fingerprint_hex}")
     assert lines[-1].endswith("(current)") and not any(x.endswith("(current)") for x in lines[:-1])
 

@@ -4,6 +4,7 @@ are shown (partition, offset, error) without stopping it, and --worker/--partiti
 Runs the real entry point in a subprocess (`python -m kvwire.cli tail ...`). Runs that must show
 "nothing more" end by --timeout (idle seconds), which is a stop condition, not a timed assertion.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -11,14 +12,14 @@ import json
 import subprocess
 import sys
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import pytest
+from kafka_admin import create_topics, delete_topics
 
 from kvwire.broker.probe import run_sync
-from schemas.codec import CONTENT_TYPE, CURRENT, VERSIONS, encode
-from schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
-from kafka_admin import create_topics, delete_topics
+from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, VERSIONS, encode
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
 
 pytestmark = pytest.mark.integration
 
@@ -33,18 +34,63 @@ EPOCH = 0xDEADBEEF_00000001 - (1 << 64)  # Avro long: epochs are signed 64-bit
 DIGEST = bytes(range(32))
 
 GOOD = [  # (partition, kafka timestamp, batch, writer version)
-    (0, T_OLD_MS, EventBatch(A0, EPOCH, 0, 1_700_000_000_000_000,
-                             (stored([(1 << 64) - 1, 1 << 63], range(8), 4, medium="GPU",
-                                     lora_name="lora-1", extra_keys=(("lora-1", ("img", 3)), None)),),
-                             reset=True, source="simulator"), 2),
+    (
+        0,
+        T_OLD_MS,
+        EventBatch(
+            A0,
+            EPOCH,
+            0,
+            1_700_000_000_000_000,
+            (
+                stored(
+                    [(1 << 64) - 1, 1 << 63],
+                    range(8),
+                    4,
+                    medium="GPU",
+                    lora_name="lora-1",
+                    extra_keys=(("lora-1", ("img", 3)), None),
+                ),
+            ),
+            reset=True,
+            source="simulator",
+        ),
+        2,
+    ),
     (0, T_OLD_MS, EventBatch(A0, EPOCH, 1, 1_700_000_000_000_001, (), source="simulator"), 2),
-    (1, T_OLD_MS, EventBatch(A1, -5, 0, 1_700_000_000_000_002,
-                             (stored([-3, 4], [1, 2], 1, parent_block_hash=-9, medium="CPU"),), gap=2), 1),
-    (0, T_NEW_MS, EventBatch(A0, EPOCH, 2, 1_710_000_000_000_000,
-                             (BlockRemoved([1 << 63], medium="GPU"), AllBlocksCleared(),
-                              stored([DIGEST], range(16), 16, parent_block_hash=bytes(32),
-                                     medium="STORAGE", extra_keys=((DIGEST, "salt"),))),
-                             engine_ts=1.25, source="simulator"), 2),
+    (
+        1,
+        T_OLD_MS,
+        EventBatch(
+            A1, -5, 0, 1_700_000_000_000_002, (stored([-3, 4], [1, 2], 1, parent_block_hash=-9, medium="CPU"),), gap=2
+        ),
+        1,
+    ),
+    (
+        0,
+        T_NEW_MS,
+        EventBatch(
+            A0,
+            EPOCH,
+            2,
+            1_710_000_000_000_000,
+            (
+                BlockRemoved([1 << 63], medium="GPU"),
+                AllBlocksCleared(),
+                stored(
+                    [DIGEST],
+                    range(16),
+                    16,
+                    parent_block_hash=bytes(32),
+                    medium="STORAGE",
+                    extra_keys=((DIGEST, "salt"),),
+                ),
+            ),
+            engine_ts=1.25,
+            source="simulator",
+        ),
+        2,
+    ),
     (1, T_NEW_MS, EventBatch(B0, 77, 0, 1_710_000_000_000_001, (AllBlocksCleared(),), reset=True), 2),
 ]
 BAD = [  # (partition, kafka timestamp, key, value, error text tail prints)
@@ -68,10 +114,17 @@ async def _produce(bootstrap: str, topic: str):
                 p, ts, batch, v = GOOD[i]
                 sv = VERSIONS[v]
                 md = await producer.send_and_wait(
-                    topic, encode(batch, version=v), key=batch.worker.kafka_key(), partition=p,
-                    timestamp_ms=ts, headers=[("content-type", CONTENT_TYPE.encode()),
-                                              ("schema", sv.name.encode()),
-                                              ("fingerprint", sv.fingerprint_hex.encode())])
+                    topic,
+                    encode(batch, version=v),
+                    key=batch.worker.kafka_key(),
+                    partition=p,
+                    timestamp_ms=ts,
+                    headers=[
+                        ("content-type", CONTENT_TYPE.encode()),
+                        ("schema", sv.name.encode()),
+                        ("fingerprint", sv.fingerprint_hex.encode()),
+                    ],
+                )
                 good[(md.partition, md.offset)] = (ts, batch, v)
             if i < len(BAD):
                 p, ts, key, value, err = BAD[i]
@@ -97,7 +150,10 @@ def loaded(kafka_bootstrap):
 def tail(bootstrap: str, topic: str, *args: str) -> list[str]:
     proc = subprocess.run(
         [sys.executable, "-m", "kvwire.cli", "tail", "--bootstrap-servers", bootstrap, "--topic", topic, *args],
-        capture_output=True, text=True, timeout=180)
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.splitlines()
 
@@ -119,28 +175,56 @@ def expected_event(e) -> dict:
         return v
 
     if isinstance(e, BlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": [h(x) for x in e.block_hashes], "medium": e.medium,
-                "group_idx": e.group_idx, "locality": e.locality, "ownership": e.ownership}
-    return {"type": "BlockStored", "block_hashes": [h(x) for x in e.block_hashes],
-            "parent_block_hash": None if e.parent_block_hash is None else h(e.parent_block_hash),
-            "token_ids": e.token_ids.tolist(), "block_size": e.block_size, "lora_id": e.lora_id,
-            "medium": e.medium, "lora_name": e.lora_name,
-            "extra_keys": None if e.extra_keys is None else [extra(b) for b in e.extra_keys],
-            "group_idx": e.group_idx, "kv_cache_spec_kind": e.kv_cache_spec_kind,
-            "kv_cache_spec_sliding_window": e.kv_cache_spec_sliding_window, "locality": e.locality,
-            "ownership": e.ownership, "session_id": e.session_id}
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [h(x) for x in e.block_hashes],
+            "medium": e.medium,
+            "group_idx": e.group_idx,
+            "locality": e.locality,
+            "ownership": e.ownership,
+        }
+    return {
+        "type": "BlockStored",
+        "block_hashes": [h(x) for x in e.block_hashes],
+        "parent_block_hash": None if e.parent_block_hash is None else h(e.parent_block_hash),
+        "token_ids": e.token_ids.tolist(),
+        "block_size": e.block_size,
+        "lora_id": e.lora_id,
+        "medium": e.medium,
+        "lora_name": e.lora_name,
+        "extra_keys": None if e.extra_keys is None else [extra(b) for b in e.extra_keys],
+        "group_idx": e.group_idx,
+        "kv_cache_spec_kind": e.kv_cache_spec_kind,
+        "kv_cache_spec_sliding_window": e.kv_cache_spec_sliding_window,
+        "locality": e.locality,
+        "ownership": e.ownership,
+        "session_id": e.session_id,
+    }
 
 
 def expected_json(pos, ts, batch: EventBatch, version: int) -> dict:
     w = batch.worker
     return {
-        "partition": pos[0], "offset": pos[1], "timestamp_ms": ts, "key": w.kafka_key().decode(),
+        "partition": pos[0],
+        "offset": pos[1],
+        "timestamp_ms": ts,
+        "key": w.kafka_key().decode(),
         "schema_version": version,
         "batch": {
-            "worker": {"instance_id": w.instance_id, "dp_rank": w.dp_rank, "tp_rank": w.tp_rank,
-                       "tp_size": w.tp_size, "model": w.model},
-            "epoch": batch.epoch, "seq": batch.seq, "ts_us": batch.ts_us, "engine_ts": batch.engine_ts,
-            "reset": batch.reset, "gap": batch.gap, "source": batch.source if version >= 2 else "",
+            "worker": {
+                "instance_id": w.instance_id,
+                "dp_rank": w.dp_rank,
+                "tp_rank": w.tp_rank,
+                "tp_size": w.tp_size,
+                "model": w.model,
+            },
+            "epoch": batch.epoch,
+            "seq": batch.seq,
+            "ts_us": batch.ts_us,
+            "engine_ts": batch.engine_ts,
+            "reset": batch.reset,
+            "gap": batch.gap,
+            "source": batch.source if version >= 2 else "",
             "heartbeat": not batch.events and not batch.reset and not batch.gap,
             "events": [expected_event(e) for e in batch.events],
         },
@@ -162,7 +246,7 @@ def test_json_equals_what_was_produced(loaded):
     assert len(lines) == len(got) == len(good) + len(bad)
     for pos, (ts, batch, v) in good.items():
         assert got[pos] == expected_json(pos, ts, batch, v)
-    for pos, (ts, key, err) in bad.items():
+    for pos, (_ts, key, err) in bad.items():
         d = got[pos]
         assert d["key"] == key.decode() and d["timestamp_ms"] == ts
         assert err in d["error"], d
@@ -179,23 +263,23 @@ def test_text_lines(loaded):
         per_pos.setdefault((int(p), int(o)), []).append(line)
     assert set(per_pos) == set(good) | set(bad)
 
-    a0_new = [pos for pos, (_, b, _) in good.items() if b.worker == A0 and b.seq == 2][0]
+    a0_new = next(pos for pos, (_, b, _) in good.items() if b.worker == A0 and b.seq == 2)
     removed, cleared, digests = per_pos[a0_new]  # one line per event, in order
     assert removed.startswith("2024-03-09T16:00:00.000Z 0@")
     assert " inst-a/0 tp1/2 epoch=deadbeef seq=2 REMOVED n=1 GPU first=9223372036854775808" in removed
     assert cleared.endswith(" seq=2 CLEARED")
     assert f"STORED n=1 STORAGE first={DIGEST.hex()[:16]}… bs=16 parent={bytes(8).hex()}" in digests
 
-    a0_first = [pos for pos, (_, b, _) in good.items() if b.worker == A0 and b.seq == 0][0]
+    a0_first = next(pos for pos, (_, b, _) in good.items() if b.worker == A0 and b.seq == 0)
     (line,) = per_pos[a0_first]
     assert f"STORED n=2 GPU first={(1 << 64) - 1}… bs=4 lora=lora-1 reset" in line
-    hb = [pos for pos, (_, b, _) in good.items() if b.worker == A0 and b.seq == 1][0]
+    hb = next(pos for pos, (_, b, _) in good.items() if b.worker == A0 and b.seq == 1)
     assert per_pos[hb][0].endswith(" seq=1 HEARTBEAT")
-    gap = [pos for pos, (_, b, _) in good.items() if b.worker == A1][0]
+    gap = next(pos for pos, (_, b, _) in good.items() if b.worker == A1)
     assert per_pos[gap][0].endswith("STORED n=2 CPU first=-3… bs=1 parent=-9 gap=2")
     assert "epoch=ffffffff" in per_pos[gap][0]  # negative epochs shown as their 64-bit pattern
 
-    for pos, (ts, key, err) in bad.items():
+    for pos, (_ts, key, err) in bad.items():
         (line,) = per_pos[pos]
         assert f" {pos[0]}@{pos[1]} MALFORMED key={key.decode()} error=" in line
         assert err in line
@@ -207,14 +291,16 @@ def _positions(lines):
 
 def test_worker_filter(loaded):
     bootstrap, topic, good, bad = loaded
-    inst_a = _positions(tail(bootstrap, topic, "--from", "earliest", "--json", "--timeout", "3",
-                             "--worker", "inst-a"))
-    assert inst_a == ({pos for pos, (_, b, _) in good.items() if b.worker.instance_id == "inst-a"}
-                      | {pos for pos, (_, k, _) in bad.items() if k.startswith(b"inst-a/")})
-    a1 = _positions(tail(bootstrap, topic, "--from", "earliest", "--json", "--timeout", "3",
-                         "--worker", "inst-a/1"))
-    assert a1 == ({pos for pos, (_, b, _) in good.items() if b.worker == A1}
-                  | {pos for pos, (_, k, _) in bad.items() if k == b"inst-a/1"})
+    inst_a = _positions(tail(bootstrap, topic, "--from", "earliest", "--json", "--timeout", "3", "--worker", "inst-a"))
+    assert inst_a == (
+        {pos for pos, (_, b, _) in good.items() if b.worker.instance_id == "inst-a"}
+        | {pos for pos, (_, k, _) in bad.items() if k.startswith(b"inst-a/")}
+    )
+    a1 = _positions(tail(bootstrap, topic, "--from", "earliest", "--json", "--timeout", "3", "--worker", "inst-a/1"))
+    assert a1 == (
+        {pos for pos, (_, b, _) in good.items() if b.worker == A1}
+        | {pos for pos, (_, k, _) in bad.items() if k == b"inst-a/1"}
+    )
 
 
 def test_partition_from_time_and_max_records(loaded):
@@ -224,7 +310,7 @@ def test_partition_from_time_and_max_records(loaded):
     assert p1 == {pos for pos in everything if pos[0] == 1}
 
     since = _positions(tail(bootstrap, topic, "--from", BETWEEN, "--json", "--timeout", "3"))
-    new_ms = int(datetime.fromisoformat(BETWEEN).astimezone(timezone.utc).timestamp() * 1000)
+    new_ms = int(datetime.fromisoformat(BETWEEN).astimezone(UTC).timestamp() * 1000)
     # --from TIME is a start position (Kafka's offsets_for_times), not a filter: an older-stamped
     # record after the first newer one is still shown, as partition 1 has here.
     stamps = {pos: ts for pos, (ts, *_) in [*good.items(), *bad.items()]}
@@ -241,11 +327,40 @@ def test_partition_from_time_and_max_records(loaded):
 def test_usage_errors_are_reported_not_raised(loaded):
     bootstrap, topic, _, _ = loaded
     for args in (["--from", "yesterday"], ["--partition", "9"]):
-        proc = subprocess.run([sys.executable, "-m", "kvwire.cli", "tail", "--bootstrap-servers", bootstrap,
-                               "--topic", topic, "--timeout", "1", *args], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "kvwire.cli",
+                "tail",
+                "--bootstrap-servers",
+                bootstrap,
+                "--topic",
+                topic,
+                "--timeout",
+                "1",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2 and "kvwire tail:" in proc.stderr and "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "kvwire.cli", "tail", "--bootstrap-servers", bootstrap,
-                           "--topic", f"missing-{uuid.uuid4().hex[:6]}", "--timeout", "1"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvwire.cli",
+            "tail",
+            "--bootstrap-servers",
+            bootstrap,
+            "--topic",
+            f"missing-{uuid.uuid4().hex[:6]}",
+            "--timeout",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "does not exist" in proc.stderr

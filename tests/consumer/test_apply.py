@@ -1,8 +1,8 @@
 """The apply path: a record is applied whole or not at all."""
 
-from consumer.apply import Applier
-from schemas import codec
-from schemas.events import EventBatch, WorkerId, stored
+from kvwire.consumer.apply import Applier
+from kvwire.schemas import codec
+from kvwire.schemas.events import EventBatch, WorkerId, stored
 
 W = WorkerId("w")
 

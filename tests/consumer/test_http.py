@@ -7,9 +7,9 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from consumer.apply import Applier
-from consumer.http import make_app, merge_scores
-from schemas.events import EventBatch, WorkerId, stored
+from kvwire.consumer.apply import Applier
+from kvwire.consumer.http import make_app, merge_scores
+from kvwire.schemas.events import EventBatch, WorkerId, stored
 
 
 def applier_with_blocks() -> Applier:
@@ -86,7 +86,9 @@ async def test_oversized_and_non_json_bodies(client):
 
 def test_merge_keeps_the_better_answer_per_worker():
     a = [{"instance_id": "x", "dp_rank": 0, "matched_tokens": 16, "score": 16.0}]
-    b = [{"instance_id": "x", "dp_rank": 0, "matched_tokens": 32, "score": 32.0},
-         {"instance_id": "y", "dp_rank": 0, "matched_tokens": 48, "score": 38.4}]
+    b = [
+        {"instance_id": "x", "dp_rank": 0, "matched_tokens": 32, "score": 32.0},
+        {"instance_id": "y", "dp_rank": 0, "matched_tokens": 48, "score": 38.4},
+    ]
     assert [(s["instance_id"], s["matched_tokens"]) for s in merge_scores([a, b], 10)] == [("y", 48), ("x", 32)]
     assert json.dumps(merge_scores([a, b], 1))

@@ -9,11 +9,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from consumer.index import MalformedEvent, PrefixIndex
-from consumer.keys import prompt_keys
 from oracle import Oracle
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerId, stored
+
+from kvwire.consumer.index import MalformedEvent, PrefixIndex
+from kvwire.consumer.keys import prompt_keys
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerId, stored
 
 A = WorkerId("a", 0)
 B0, B1 = WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2)
@@ -55,7 +55,10 @@ def same(ix, orc, queries=()):
 def test_scores_prefix_and_best_first():
     ix, orc = both(("store", A, ev(TOKS, 16, 0, 4)), ("store", C, ev(TOKS, 16, 0, 2)))
     s = ix.score(TOKS)
-    assert [(x.instance_id, x.matched_tokens, x.by_medium, x.score) for x in s] == [("a", 64, {"GPU": 64}, 64.0), ("c", 32, {"GPU": 32}, 32.0)]
+    assert [(x.instance_id, x.matched_tokens, x.by_medium, x.score) for x in s] == [
+        ("a", 64, {"GPU": 64}, 64.0),
+        ("c", 32, {"GPU": 32}, 32.0),
+    ]
     assert ix.score(TOKS[:40])[0].matched_tokens == 32  # partial block ignored
     assert ix.score([1] + TOKS[1:]) == []
     assert [x.instance_id for x in ix.score(TOKS, workers=[("c", 1)])] == ["c"]
@@ -76,7 +79,9 @@ def test_tp_counts_only_blocks_all_ranks_hold_whatever_the_batches():
 
 
 def test_duplicate_stores_are_refcounted_and_unknown_removes_counted():
-    ix, orc = both(("store", A, ev(TOKS, 16, 0, 2)), ("store", A, ev(TOKS, 16, 0, 2)), ("remove", A, rm(TOKS, 16, 0, 2)))
+    ix, _orc = both(
+        ("store", A, ev(TOKS, 16, 0, 2)), ("store", A, ev(TOKS, 16, 0, 2)), ("remove", A, rm(TOKS, 16, 0, 2))
+    )
     assert ix.score(TOKS)[0].matched_tokens == 32
     ix.remove(A, rm(TOKS, 16, 0, 2))
     ix.remove(A, rm(TOKS, 16, 0, 2))
@@ -104,13 +109,19 @@ def test_unknown_parent_is_an_orphan_never_a_false_match_and_stays_removable():
 
 
 def test_parent_on_another_rank_of_the_worker_resolves():
-    ix, orc = both(("store", B0, ev(TOKS, 16, 0, 2)), ("store", B1, ev(TOKS, 16, 0, 1)), ("store", B1, ev(TOKS, 16, 1, 2)))
+    ix, orc = both(
+        ("store", B0, ev(TOKS, 16, 0, 2)), ("store", B1, ev(TOKS, 16, 0, 1)), ("store", B1, ev(TOKS, 16, 1, 2))
+    )
     assert ix.workers()[("b", 0)].orphans == 0 and ix.score(TOKS)[0].matched_tokens == 32
     same(ix, orc, [TOKS])
 
 
 def test_media_weights_and_by_medium():
-    ix, orc = both(("store", A, ev(TOKS, 16, 0, 2)), ("store", A, ev(TOKS, 16, 0, 4, medium="cpu")), ("store", C, ev(TOKS, 16, 0, 3, medium="DISK")))
+    ix, orc = both(
+        ("store", A, ev(TOKS, 16, 0, 2)),
+        ("store", A, ev(TOKS, 16, 0, 4, medium="cpu")),
+        ("store", C, ev(TOKS, 16, 0, 3, medium="DISK")),
+    )
     s = ix.score(TOKS)
     a = next(x for x in s if x.instance_id == "a")
     assert a.matched_tokens == 64 and a.by_medium == {"GPU": 32, "CPU": 64}
@@ -123,7 +134,11 @@ def test_media_weights_and_by_medium():
 
 def test_block_sizes_side_by_side_each_worker_gets_its_best():
     long = TOKS * 8  # 512 tokens
-    ix, orc = both(("store", A, ev(long, 16, 0, 4)), ("store", A, ev(long, 256, 0, 2, medium="CPU")), ("store", C, ev(long, 16, 0, 8)))
+    ix, orc = both(
+        ("store", A, ev(long, 16, 0, 4)),
+        ("store", A, ev(long, 256, 0, 2, medium="CPU")),
+        ("store", C, ev(long, 16, 0, 8)),
+    )
     s = {x.instance_id: x for x in ix.score(long)}
     assert s["a"].matched_tokens == 512 and s["a"].by_medium == {"GPU": 64, "CPU": 512}
     assert s["c"].matched_tokens == 128
@@ -136,7 +151,9 @@ def test_engine_hash_mode():
     e = stored([11, 12, 13], [], 0, parent_block_hash=10, medium="CPU")
     ix, orc = both(("store", A, e))
     assert ix.score(TOKS) == []
-    assert [(x.matched_tokens, x.by_medium) for x in ix.score_engine_hashes([11, 12, 99], block_size=16)] == [(32, {"CPU": 32})]
+    assert [(x.matched_tokens, x.by_medium) for x in ix.score_engine_hashes([11, 12, 99], block_size=16)] == [
+        (32, {"CPU": 32})
+    ]
     assert ix.score_engine_hashes([99, 11]) == []
     assert ix.score_engine_hashes([11, 12, 13]) == orc.score_engine_hashes([11, 12, 13])
     # A token-mode child of an engine-mode parent is an orphan.
@@ -145,7 +162,12 @@ def test_engine_hash_mode():
 
 
 def test_clear_and_drop():
-    ix, orc = both(("store", A, ev(TOKS, 16, 0, 4)), ("store", B0, ev(TOKS, 16, 0, 4)), ("store", B1, ev(TOKS, 16, 0, 4)), ("remove", A, BlockRemoved((12345,))))
+    ix, orc = both(
+        ("store", A, ev(TOKS, 16, 0, 4)),
+        ("store", B0, ev(TOKS, 16, 0, 4)),
+        ("store", B1, ev(TOKS, 16, 0, 4)),
+        ("remove", A, BlockRemoved((12345,))),
+    )
     for op in (("clear", A), ("drop_rank", B1)):
         getattr(ix, op[0])(*op[1:])
         getattr(orc, op[0])(*op[1:])
@@ -217,7 +239,9 @@ def scenario(draw):
     n = draw(st.integers(1, 40))
     ops = []
     for _ in range(n):
-        kind = draw(st.sampled_from(["store"] * 6 + ["remove"] * 3 + ["junk", "engine", "clear", "drop_rank", "drop_worker"]))
+        kind = draw(
+            st.sampled_from(["store"] * 6 + ["remove"] * 3 + ["junk", "engine", "clear", "drop_rank", "drop_worker"])
+        )
         r = draw(st.sampled_from(RANKS))
         s = draw(st.integers(0, len(seqs) - 1))
         bs = draw(st.sampled_from(BS))
@@ -265,7 +289,9 @@ def test_index_equals_oracle(sc):
     same(ix, orc)
     for q in queries:
         for bs in (None, 4, 8):
-            assert ix.score(q, block_size=bs, weights=weights, workers=subset) == orc.score(q, block_size=bs, weights=weights, workers=subset)
+            assert ix.score(q, block_size=bs, weights=weights, workers=subset) == orc.score(
+                q, block_size=bs, weights=weights, workers=subset
+            )
     hs = [0, 1, 2, 3]
     assert ix.score_engine_hashes(hs, weights=weights) == orc.score_engine_hashes(hs, weights=weights)
 
@@ -293,7 +319,18 @@ def batches(draw):
             m = draw(st.sampled_from(["GPU", "GPU", "CPU", None]))
             if kind == "store":
                 extra = [("x",)] * (b - a) if draw(st.integers(0, 5)) == 0 else None
-                evs.append(ev(s, bs, a, b, m, draw(st.booleans()), group_idx=draw(st.sampled_from([None, None, 1])), extra_keys=extra))
+                evs.append(
+                    ev(
+                        s,
+                        bs,
+                        a,
+                        b,
+                        m,
+                        draw(st.booleans()),
+                        group_idx=draw(st.sampled_from([None, None, 1])),
+                        extra_keys=extra,
+                    )
+                )
             elif kind == "remove":
                 evs.append(rm(s, bs, a, b, m))
             elif kind == "clear":

@@ -10,12 +10,12 @@ import aiohttp
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from consumer.http import make_app, serve
-from consumer.ingest import IndexMember, IngestConfig
-from producer.publisher import KafkaPublisher, PublisherConfig
-from producer.simulator import SimConfig, Simulator
-from schemas import codec
-from schemas.events import EventBatch, WorkerId, stored
+from kvwire.consumer.http import make_app, serve
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+from kvwire.producer.simulator import SimConfig, Simulator
+from kvwire.schemas import codec
+from kvwire.schemas.events import EventBatch, WorkerId, stored
 
 pytestmark = pytest.mark.integration
 
@@ -57,8 +57,12 @@ def assert_matches_simulator(score_fn, workers_stats, sim: Simulator, requests=4
         tokens = req.token_ids
         if rng.random() < 0.3:
             tokens = tokens[: rng.randrange(len(tokens) + 1)]
-        got = {(s["instance_id"], s["dp_rank"]) if isinstance(s, dict) else (s.instance_id, s.dp_rank):
-               (s["matched_tokens"] if isinstance(s, dict) else s.matched_tokens) for s in score_fn(list(tokens))}
+        got = {
+            (s["instance_id"], s["dp_rank"]) if isinstance(s, dict) else (s.instance_id, s.dp_rank): (
+                s["matched_tokens"] if isinstance(s, dict) else s.matched_tokens
+            )
+            for s in score_fn(list(tokens))
+        }
         want = {sim.workers[w]: sim.prefix_blocks(w, tokens) * bs for w in range(len(sim.workers))}
         want = {k: v for k, v in want.items() if v}
         assert got == want
@@ -110,7 +114,9 @@ async def test_shared_group_scatter_gather_equals_full_index(kafka_bootstrap, ne
         wb = {(w["instance_id"], w["dp_rank"]) for w in b.applier.workers()}
         assert wa and wb and not (wa & wb)
         assert wa | wb == {(w["instance_id"], w["dp_rank"]) for w in full.applier.workers()}
-        runners.append(await serve(make_app(a.applier, lambda: a.ready, peers=[f"http://127.0.0.1:{pb}"]), "127.0.0.1", pa))
+        runners.append(
+            await serve(make_app(a.applier, lambda: a.ready, peers=[f"http://127.0.0.1:{pb}"]), "127.0.0.1", pa)
+        )
         runners.append(await serve(make_app(b.applier, lambda: b.ready), "127.0.0.1", pb))
         async with aiohttp.ClientSession() as s:
             for _ in range(25):
@@ -118,7 +124,9 @@ async def test_shared_group_scatter_gather_equals_full_index(kafka_bootstrap, ne
                 status, merged = await _post(s, f"http://127.0.0.1:{pa}/v1/score", {"token_ids": tokens})
                 assert status == 200 and merged["partial"] is False
                 want = [(x.instance_id, x.dp_rank, x.matched_tokens, x.score) for x in full.applier.score(tokens)]
-                assert [(x["instance_id"], x["dp_rank"], x["matched_tokens"], x["score"]) for x in merged["scores"]] == want
+                assert [
+                    (x["instance_id"], x["dp_rank"], x["matched_tokens"], x["score"]) for x in merged["scores"]
+                ] == want
         assert_matches_simulator(full.applier.score, full.applier.index.workers(), sim, requests=10)
     finally:
         for r in runners:
@@ -131,7 +139,13 @@ async def test_malformed_records_are_dead_lettered_and_ingest_goes_on(kafka_boot
     topic = new_topic(partitions=2)
     good = EventBatch(WorkerId("w1"), 5, 0, 1, (stored([1, 2], range(32), 16),), reset=True)
     good2 = EventBatch(WorkerId("w1"), 5, 1, 2, (stored([3], range(32, 48), 16, parent_block_hash=2),))
-    bad = [b"", b"\xc3\x01garbage!!", codec.encode(good)[:-4], b"\x00\x00\x00\x00\x01" + b"confluent", codec.encode(good) + b"x"]
+    bad = [
+        b"",
+        b"\xc3\x01garbage!!",
+        codec.encode(good)[:-4],
+        b"\x00\x00\x00\x00\x01" + b"confluent",
+        codec.encode(good) + b"x",
+    ]
     p = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
     await p.start()
     try:
@@ -149,7 +163,9 @@ async def test_malformed_records_are_dead_lettered_and_ingest_goes_on(kafka_boot
         assert member.applier.metrics.dead_letters._value.get() == len(bad)
     finally:
         await member.stop()
-    c = AIOKafkaConsumer(f"{topic}.dlq", bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
+    c = AIOKafkaConsumer(
+        f"{topic}.dlq", bootstrap_servers=kafka_bootstrap, auto_offset_reset="earliest", enable_auto_commit=False
+    )
     await c.start()
     try:
         got = []

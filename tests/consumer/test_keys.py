@@ -11,7 +11,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.keys import (
+from kvwire.consumer.keys import (
     ROOT,
     block_keys,
     canonical,
@@ -21,7 +21,7 @@ from consumer.keys import (
     prompt_keys,
     xxh3_64,
 )
-from schemas.events import stored
+from kvwire.schemas.events import stored
 
 W = np.empty(25, np.uint64)
 
@@ -38,7 +38,7 @@ def test_xxh3_matches_xxhash_package(nbytes):
 def test_chain_is_xxh3_seeded_by_parent_and_context():
     toks = list(range(32))
     keys = prompt_keys(toks, 16)
-    from consumer.keys import context_seed
+    from kvwire.consumer.keys import context_seed
 
     c = context_seed(16)
     k0 = xxhash.xxh3_64_intdigest(array("I", toks[:16]).tobytes(), seed=ROOT ^ c)
@@ -86,7 +86,9 @@ def test_lora_block_size_and_extra_keys_change_keys():
 
 def test_vllm_lora_name_in_extra_keys_is_not_counted_twice():
     toks = list(range(32))
-    assert (block_keys(toks, 16, lora_name="ad", extra_keys=[("ad",), ("ad",)]) == prompt_keys(toks, 16, lora_name="ad")).all()
+    assert (
+        block_keys(toks, 16, lora_name="ad", extra_keys=[("ad",), ("ad",)]) == prompt_keys(toks, 16, lora_name="ad")
+    ).all()
     mm = block_keys(toks, 16, lora_name="ad", extra_keys=[("ad", "mmhash"), ("ad",)])
     assert (mm == prompt_keys(toks, 16, lora_name="ad", extra_keys=[("mmhash",), None])).all()
 

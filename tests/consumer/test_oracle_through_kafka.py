@@ -17,15 +17,14 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from consumer.apply import Applier
-from consumer.ingest import IndexMember, IngestConfig
-from oracle import Oracle
-from producer.publisher import KafkaPublisher, PublisherConfig
-from schemas import codec
-from schemas.events import AllBlocksCleared, BlockRemoved, WorkerId, stored
-
 from kafka_admin import create_topics, delete_topics
+from oracle import Oracle
+
+from kvwire.consumer.apply import Applier
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+from kvwire.schemas import codec
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, WorkerId, stored
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +48,13 @@ def events_for(rank_state, action, prompt, nblocks, medium, bs, rng):
     hashes = [hash((prompt, bs, i)) & ((1 << 64) - 1) for i in range(n)]
     if action in ("store", "dup"):
         start = 0 if action == "dup" else rng.randrange(0, n)
-        ev = stored(hashes[start:n], tokens[start * bs : n * bs], bs, parent_block_hash=hashes[start - 1] if start else None, medium=medium)
+        ev = stored(
+            hashes[start:n],
+            tokens[start * bs : n * bs],
+            bs,
+            parent_block_hash=hashes[start - 1] if start else None,
+            medium=medium,
+        )
         rank_state.setdefault(medium, set()).update(hashes[start:n])
         return [ev]
     if action == "remove":
@@ -74,6 +79,7 @@ async def _read_all(bootstrap, topic, partitions):
         for tp, off in (await c.beginning_offsets(tps)).items():
             c.seek(tp, off)  # explicit: seek_to_beginning raced the assignment here
         out = []
+
         async def behind():
             return [tp for tp in tps if await c.position(tp) < ends[tp]]
 

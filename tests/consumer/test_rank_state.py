@@ -3,8 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.rank_state import RankTable, Verdict
-from schemas.events import EventBatch, WorkerId
+from kvwire.consumer.rank_state import RankTable, Verdict
+from kvwire.schemas.events import EventBatch, WorkerId
 
 W0 = WorkerId("a", 0, 0, 1)
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import subprocess
 import sys
-import random
 import time
 from pathlib import Path
 
@@ -23,13 +23,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, RecordsToDelete
 
-from consumer.ingest import IndexMember, IngestConfig
-from consumer.replay import replay
-from consumer.snapshot import DirectoryStore, Snapshots, decode_snapshot
-from producer.publisher import KafkaPublisher, PublisherConfig
-from producer.simulator import SimConfig, Simulator
-from schemas import codec
-from schemas.events import EventBatch, WorkerId, stored
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.consumer.replay import replay
+from kvwire.consumer.snapshot import DirectoryStore, Snapshots, decode_snapshot
+from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+from kvwire.producer.simulator import SimConfig, Simulator
+from kvwire.schemas import codec
+from kvwire.schemas.events import EventBatch, WorkerId, stored
 
 pytestmark = pytest.mark.integration
 
@@ -39,14 +39,27 @@ class Fleet:
     publisher and reported with ``report_gap`` (what the ZMQ bridge does on a
     sequence hole); a small ``queue_size`` adds real overflow drops."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int, seed: int, p_lose: float = 0.01,
-                 queue_size: int = 10_000, **sim_kw):
-        self.pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=partitions,
-                                                  linger_ms=1, queue_size=queue_size))
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        partitions: int,
+        seed: int,
+        p_lose: float = 0.01,
+        queue_size: int = 10_000,
+        **sim_kw,
+    ):
+        self.pub = KafkaPublisher(
+            PublisherConfig(
+                bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=1, queue_size=queue_size
+            )
+        )
         self.rng = random.Random(seed)
         self.p_lose = p_lose
         self.lost = 0
-        cfg = SimConfig(**{"workers": 6, "capacity_blocks": 120, "p_clear": 0.02, "p_restart": 0.02, "seed": seed, **sim_kw})
+        cfg = SimConfig(
+            **{"workers": 6, "capacity_blocks": 120, "p_clear": 0.02, "p_restart": 0.02, "seed": seed, **sim_kw}
+        )
         self.streams = {}
         self.sim = Simulator(cfg, self._publish, on_restart=lambda r: self.streams[r].new_epoch())
         for ranks in self.sim.ranks:
@@ -127,7 +140,9 @@ def dir_snapshots(path, **kw) -> Snapshots:
 
 
 @pytest.mark.parametrize("seed,tp_size,queue_size", [(11, 2, 10_000), (12, 1, 40)])
-async def test_live_full_replay_and_snapshot_tail_agree(kafka_bootstrap, new_topic, tmp_path, seed, tp_size, queue_size):
+async def test_live_full_replay_and_snapshot_tail_agree(
+    kafka_bootstrap, new_topic, tmp_path, seed, tp_size, queue_size
+):
     topic = new_topic(partitions=3)
     fleet = Fleet(kafka_bootstrap, topic, 3, seed, p_lose=0.01, queue_size=queue_size, tp_size=tp_size)
     live = IndexMember(IngestConfig(kafka_bootstrap, topic))
@@ -194,7 +209,9 @@ async def test_live_full_replay_and_snapshot_tail_agree(kafka_bootstrap, new_top
         out = tmp_path / "replay.json"
         env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap}
         cli = [sys.executable, "-m", "kvwire.cli", "replay", "--topic", topic]
-        r = await asyncio.to_thread(subprocess.run, cli + ["--json", str(out)], env=env, capture_output=True, text=True, timeout=60)
+        r = await asyncio.to_thread(
+            subprocess.run, cli + ["--json", str(out)], env=env, capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 0, r.stderr
         assert "blocks/s" in r.stderr and want[0] in r.stderr
         got = json.loads(out.read_text())
@@ -204,15 +221,28 @@ async def test_live_full_replay_and_snapshot_tail_agree(kafka_bootstrap, new_top
         assert got["events"] == full.events
         stats = full.applier.index.workers()
         assert got["workers"] == [
-            {"instance_id": i, "dp_rank": d, "blocks": sum(stats[(i, d)].blocks.values())} for (i, d) in sorted(stats)]
-        r = await asyncio.to_thread(subprocess.run, cli + ["--from", "snapshot", "--snapshot-dir", str(snap_dir), "--json", "-"],
-                                    env=env, capture_output=True, text=True, timeout=60)
+            {"instance_id": i, "dp_rank": d, "blocks": sum(stats[(i, d)].blocks.values())} for (i, d) in sorted(stats)
+        ]
+        r = await asyncio.to_thread(
+            subprocess.run,
+            cli + ["--from", "snapshot", "--snapshot-dir", str(snap_dir), "--json", "-"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         got = json.loads(r.stdout)
         assert got["digest"] == want[0] and got["records"] == from_snap.records
         # --until a time before the first record: nothing replayed.
-        r = await asyncio.to_thread(subprocess.run, cli + ["--until", "2001-01-01T00:00:00Z", "--json", "-"],
-                                    env=env, capture_output=True, text=True, timeout=60)
+        r = await asyncio.to_thread(
+            subprocess.run,
+            cli + ["--until", "2001-01-01T00:00:00Z", "--json", "-"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout) == {"records": 0, "events": 0, "workers": [], "digest": f"{0:016x}{0:016x}"}
     finally:
@@ -244,7 +274,9 @@ async def produce(bootstrap, topic, records) -> None:
 
 async def test_snapshot_older_than_retention_loads_untrusted_until_reset(kafka_bootstrap, new_topic, tmp_path):
     topic = new_topic(partitions=1)
-    await produce(kafka_bootstrap, topic, [("a", batch("a", 1, 0, 0, 2, reset=True)), ("b", batch("b", 7, 0, 0, 2, reset=True))])
+    await produce(
+        kafka_bootstrap, topic, [("a", batch("a", 1, 0, 0, 2, reset=True)), ("b", batch("b", 7, 0, 0, 2, reset=True))]
+    )
     m = IndexMember(IngestConfig(kafka_bootstrap, topic), snapshots=dir_snapshots(tmp_path))
     await m.start()
     await caught_up(m, {0: 2})
@@ -298,13 +330,30 @@ async def http_json(url: str, timeout: float = 60.0):
 
 def start_index(bootstrap, topic, port, log_path: Path) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "kvwire.cli", "index", "-b", bootstrap, "-t", topic, "--http", f"127.0.0.1:{port}",
-         "--snapshot-interval", "0.2", "--heartbeat-timeout", "3600"],
-        stdout=subprocess.DEVNULL, stderr=open(log_path, "w"),
+        [
+            sys.executable,
+            "-m",
+            "kvwire.cli",
+            "index",
+            "-b",
+            bootstrap,
+            "-t",
+            topic,
+            "--http",
+            f"127.0.0.1:{port}",
+            "--snapshot-interval",
+            "0.2",
+            "--heartbeat-timeout",
+            "3600",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log_path, "w"),
     )
 
 
-async def test_sigkilled_index_restarts_from_kafka_snapshot_and_converges(kafka_bootstrap, new_topic, tmp_path, unused_tcp_port_factory):
+async def test_sigkilled_index_restarts_from_kafka_snapshot_and_converges(
+    kafka_bootstrap, new_topic, tmp_path, unused_tcp_port_factory
+):
     topic = new_topic(partitions=2)
     fleet = Fleet(kafka_bootstrap, topic, 2, 21, p_lose=0.01, tp_size=2)
     procs = []
@@ -344,4 +393,3 @@ async def test_sigkilled_index_restarts_from_kafka_snapshot_and_converges(kafka_
                     p.wait(15)
                 except subprocess.TimeoutExpired:
                     p.kill()
-

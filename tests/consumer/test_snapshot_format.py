@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from consumer.snapshot import RankRecord, SnapshotBody, SnapshotError, decode_snapshot, encode_snapshot
+from kvwire.consumer.snapshot import RankRecord, SnapshotBody, SnapshotError, decode_snapshot, encode_snapshot
 
 
 def body(index=b"\x01\x02" * 1000):

@@ -12,8 +12,8 @@ import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from consumer.index import PrefixIndex
-from schemas.events import BlockRemoved, WorkerId, stored
+from kvwire.consumer.index import PrefixIndex
+from kvwire.schemas.events import BlockRemoved, WorkerId, stored
 
 RANKS = [WorkerId("a", 0), WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2), WorkerId("c", 1), WorkerId("d", 0, 0, 1)]
 MEDIA = ["GPU", "cpu", "STORAGE", "nvme"]
@@ -35,7 +35,11 @@ def random_ops(rng: random.Random, n: int):
         x = rng.random()
         if x < 0.6:
             toks = seqs[s][a * (bs or 1) : b * (bs or 1)] if bs else []
-            parent = s * 1000 + (bs or 3) * 100 + a - 1 if a and rng.random() < 0.8 else (rng.randrange(1 << 40) if a else None)
+            parent = (
+                s * 1000 + (bs or 3) * 100 + a - 1
+                if a and rng.random() < 0.8
+                else (rng.randrange(1 << 40) if a else None)
+            )
             ops.append(("store", r, stored(hs, toks, bs, parent_block_hash=parent, medium=med, group_idx=grp)))
         elif x < 0.95:
             ops.append(("remove", r, BlockRemoved(tuple(hs + [rng.randrange(1 << 63)]), medium=med, group_idx=grp)))
@@ -94,7 +98,8 @@ def test_export_import_is_the_same_index(seed, n):
     assert per_worker(dst, moved) == per_worker(src, moved)
     for q in ([int(x) for x in range(64)],):
         assert [s for s in dst.score(q) if (s.instance_id, s.dp_rank) in moved] == [
-            s for s in src.score(q) if (s.instance_id, s.dp_rank) in moved]
+            s for s in src.score(q) if (s.instance_id, s.dp_rank) in moved
+        ]
 
 
 def test_digest_ignores_history_capacity_and_order():

@@ -2,6 +2,7 @@
 
 It is a separate LocalKafka (own home, own ports) because the shared broker on 19092 must stay
 PLAINTEXT for every other test, and a broker's listeners cannot be changed while it runs."""
+
 from __future__ import annotations
 
 import datetime
@@ -81,23 +82,27 @@ def _self_signed(home: Path) -> tuple[Path, Path]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
-        .subject_name(name).issuer_name(name)
+        .subject_name(name)
+        .issuer_name(name)
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
         # Python's default context rejects a self-signed leaf used as its own anchor unless it is a CA.
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(key, hashes.SHA256())
     )
     cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     keystore, ca = home / "broker.pem", home / "ca.pem"
     keystore.write_bytes(key_pem + cert_pem)
     keystore.chmod(0o600)
@@ -106,8 +111,7 @@ def _self_signed(home: Path) -> tuple[Path, Path]:
 
 
 def _jaas(user: str, password: str) -> str:
-    return (f'org.apache.kafka.common.security.scram.ScramLoginModule required '
-            f'username="{user}" password="{password}";')
+    return f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{password}";'
 
 
 def secure_broker_config(port: int, keystore: Path | None) -> tuple[dict, list[str]]:
@@ -130,21 +134,29 @@ def secure_broker_config(port: int, keystore: Path | None) -> tuple[dict, list[s
         listeners.append(f"SASLSSL://127.0.0.1:{s}")
         advertised.append(f"SASLSSL://127.0.0.1:{s}")
         proto_map.append("SASLSSL:SASL_SSL")
-        props.update({
-            "listener.name.saslssl.scram-sha-256.sasl.jaas.config": _jaas(ADMIN_USER, ADMIN_PASSWORD),
-            "listener.name.saslssl.ssl.keystore.type": "PEM",
-            "listener.name.saslssl.ssl.keystore.location": str(keystore),
-            "listener.name.saslssl.ssl.client.auth": "none",
-        })
-    props.update({
-        "listeners": ",".join(listeners),
-        "advertised.listeners": ",".join(advertised),
-        "listener.security.protocol.map": ",".join(proto_map),
-    })
+        props.update(
+            {
+                "listener.name.saslssl.scram-sha-256.sasl.jaas.config": _jaas(ADMIN_USER, ADMIN_PASSWORD),
+                "listener.name.saslssl.ssl.keystore.type": "PEM",
+                "listener.name.saslssl.ssl.keystore.location": str(keystore),
+                "listener.name.saslssl.ssl.client.auth": "none",
+            }
+        )
+    props.update(
+        {
+            "listeners": ",".join(listeners),
+            "advertised.listeners": ",".join(advertised),
+            "listener.security.protocol.map": ",".join(proto_map),
+        }
+    )
     # SCRAM users live in the cluster metadata; adding them at format time means the broker
     # accepts them from its first second, with no admin round trip before it is reachable.
-    fmt = ["--add-scram", f"{MECH}=[name={ADMIN_USER},password={ADMIN_PASSWORD}]",
-           "--add-scram", f"{MECH}=[name={USER},password={PASSWORD}]"]
+    fmt = [
+        "--add-scram",
+        f"{MECH}=[name={ADMIN_USER},password={ADMIN_PASSWORD}]",
+        "--add-scram",
+        f"{MECH}=[name={USER},password={PASSWORD}]",
+    ]
     return props, fmt
 
 
@@ -168,10 +180,10 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory):
         keystore = ca = None
         tls_error = e
     props, fmt = secure_broker_config(port, keystore)
-    info = SecureKafka(f"127.0.0.1:{port}", f"127.0.0.1:{port + 2}" if keystore else None,
-                       str(ca) if ca else None, home / "kafka.log")
-    kafka = LocalKafka(home, port, extra_properties=props, format_args=fmt,
-                       client_config=client_config(info.env()))
+    info = SecureKafka(
+        f"127.0.0.1:{port}", f"127.0.0.1:{port + 2}" if keystore else None, str(ca) if ca else None, home / "kafka.log"
+    )
+    kafka = LocalKafka(home, port, extra_properties=props, format_args=fmt, client_config=client_config(info.env()))
     try:
         kafka.start()
     except Exception as e:
@@ -199,8 +211,7 @@ def secure_topic(secure_kafka: SecureKafka, request: pytest.FixtureRequest) -> s
     name = f"sec-{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
 
     async def create() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=secure_kafka.sasl_bootstrap,
-                                    **client_config(secure_kafka.env()))
+        admin = AIOKafkaAdminClient(bootstrap_servers=secure_kafka.sasl_bootstrap, **client_config(secure_kafka.env()))
         await admin.start()
         try:
             resp = await admin.create_topics([NewTopic(name, 1, 1)], timeout_ms=30000)

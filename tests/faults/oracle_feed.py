@@ -8,7 +8,7 @@ record, though, must survive every fault, so "acked lost" is counted separately 
 
 The oracle is ``tests/oracle.py`` (brute force, independent of the index) plus a reference
 ``PrefixIndex`` fed the very same calls, whose ``digest()`` is what a member's /v1/digest must say.
-Fencing here is deliberately simpler than ``consumer.rank_state``: acknowledged records of one
+Fencing here is deliberately simpler than ``kvwire.consumer.rank_state``: acknowledged records of one
 rank arrive in the producer's order, so a reset clears the rank and a gap (or a seq hole) makes
 it untrusted until the next reset; the epochs must appear in the order the driver created them.
 """
@@ -23,20 +23,21 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-
-from consumer.index import PrefixIndex
-from oracle import Oracle
-from producer.publisher import AckInfo, KafkaPublisher, PublisherConfig
-from producer.simulator import SimConfig, Simulator
-from schemas import codec
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
 from kafka_admin import free_port_pair
+from oracle import Oracle
+
+from kvwire.consumer.index import PrefixIndex
+from kvwire.producer.publisher import AckInfo, KafkaPublisher, PublisherConfig
+from kvwire.producer.simulator import SimConfig, Simulator
+from kvwire.schemas import codec
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerId
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "faults.json"
 _results_lock = threading.Lock()
@@ -90,8 +91,6 @@ async def wait_until(pred: Callable[[], Any], timeout: float, what: str, every: 
         await asyncio.sleep(every)
 
 
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -117,20 +116,26 @@ class Fleet:
     """Simulator -> KafkaPublisher with every ack recorded. The simulator is not thread-safe:
     drive it either with ``run`` or with the background driver, never both at once."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int, *, sim: dict | None = None,
-                 pub: dict | None = None) -> None:
+    def __init__(
+        self, bootstrap: str, topic: str, partitions: int, *, sim: dict | None = None, pub: dict | None = None
+    ) -> None:
         self.acks: list[AckInfo] = []  # list.append is atomic; the publisher thread appends
-        cfg = {"linger_ms": 1, "queue_size": 100_000, "unreachable_timeout_s": 300.0,
-               "retry_backoff_s": 0.1, **(pub or {})}
-        self.pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap, topic=topic,
-                                                  partitions=partitions, **cfg),
-                                  on_ack=self.acks.append)
+        cfg = {
+            "linger_ms": 1,
+            "queue_size": 100_000,
+            "unreachable_timeout_s": 300.0,
+            "retry_backoff_s": 0.1,
+            **(pub or {}),
+        }
+        self.pub = KafkaPublisher(
+            PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=partitions, **cfg),
+            on_ack=self.acks.append,
+        )
         self.topic = topic
         self.bootstrap = bootstrap
         self.streams = {}
         self.epochs: dict[tuple, list[int]] = defaultdict(list)  # rank -> epochs, oldest first
-        scfg = {"workers": 6, "capacity_blocks": 150, "p_clear": 0.01, "p_restart": 0.005, "seed": 7,
-                **(sim or {})}
+        scfg = {"workers": 6, "capacity_blocks": 150, "p_clear": 0.01, "p_restart": 0.005, "seed": 7, **(sim or {})}
         self.sim = Simulator(SimConfig(**scfg), self._sink, on_restart=self._restart)
         for ranks in self.sim.ranks:
             for r in ranks:
@@ -156,6 +161,7 @@ class Fleet:
 
     def start(self, pace_s: float = 0.002) -> None:
         """Keep the fleet busy in a thread (the engine side) until ``stop``."""
+
         def drive() -> None:
             while not self._stop.is_set():
                 self.sim.step()
@@ -198,8 +204,9 @@ class LogRecord:
 
 async def read_log(bootstrap: str, topic: str, client_options: dict | None = None) -> list[LogRecord]:
     """Every record of ``topic`` up to the end offsets seen now, in partition/offset order."""
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                         auto_offset_reset="earliest", **(client_options or {}))
+    c = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest", **(client_options or {})
+    )
     await c.start()
     try:
         parts = c.partitions_for_topic(topic)
@@ -278,15 +285,19 @@ class Expected:
 
     def score(self, tokens, **kw) -> list[tuple]:
         """(instance_id, dp_rank, matched_tokens, score) of trusted workers, best first."""
-        return [(s.instance_id, s.dp_rank, s.matched_tokens, s.score)
-                for s in self.oracle.score(tokens, **kw) if (s.instance_id, s.dp_rank) not in self.untrusted]
+        return [
+            (s.instance_id, s.dp_rank, s.matched_tokens, s.score)
+            for s in self.oracle.score(tokens, **kw)
+            if (s.instance_id, s.dp_rank) not in self.untrusted
+        ]
 
     def digest(self) -> str:
         return self.ref.digest()
 
 
-def build_expected(records: list[LogRecord], acks: list[AckInfo],
-                   epochs: dict[tuple, list[int]] | None = None) -> Expected:
+def build_expected(
+    records: list[LogRecord], acks: list[AckInfo], epochs: dict[tuple, list[int]] | None = None
+) -> Expected:
     """Feed the oracle the acknowledged records, in log order."""
     by_pos = {(r.partition, r.offset): r for r in records}
     acked = {}
@@ -347,8 +358,9 @@ def build_expected(records: list[LogRecord], acks: list[AckInfo],
         ranks = [s for r, s in state.items() if r[:2] == w]
         if len(ranks) < tp.get(w, 1) or not all(s["trusted"] for s in ranks):
             untrusted.add(w)
-    assert {k: v for k, v in ref.holder_blocks().items() if v} == {k: v for k, v in o.holder_blocks().items() if v}, \
+    assert {k: v for k, v in ref.holder_blocks().items() if v} == {k: v for k, v in o.holder_blocks().items() if v}, (
         "reference index and brute-force oracle disagree on the same input"
+    )
     return Expected(o, ref, untrusted, workers, len(acked), lost, dups, notes)
 
 

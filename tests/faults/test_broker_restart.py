@@ -11,10 +11,21 @@ import asyncio
 import time
 
 import pytest
+from oracle_feed import (
+    Fleet,
+    applier_scores,
+    assert_scores,
+    build_expected,
+    diff_index,
+    private_broker,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
 
-from consumer.ingest import IndexMember, IngestConfig
-from oracle_feed import (Fleet, applier_scores, assert_scores, build_expected, diff_index, private_broker,
-                         read_log, record_result, score_requests, sim_blocks, wait_until)
+from kvwire.consumer.ingest import IndexMember, IngestConfig
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +37,8 @@ async def test_broker_sigkill_mid_stream_member_converges(tmp_path):
     fleet = member = None
     try:
         fleet = await asyncio.to_thread(
-            Fleet, bootstrap, topic, 4, sim={"tp_size": 2, "seed": 11}, pub={"heartbeat_interval_s": 1.0})
+            Fleet, bootstrap, topic, 4, sim={"tp_size": 2, "seed": 11}, pub={"heartbeat_interval_s": 1.0}
+        )
         await asyncio.to_thread(fleet.run, 50)
         await wait_until(lambda: fleet.acked_count() >= 50, 60, "first acknowledgements")
         member = IndexMember(IngestConfig(bootstrap, topic, heartbeat_timeout_s=600))
@@ -35,7 +47,6 @@ async def test_broker_sigkill_mid_stream_member_converges(tmp_path):
 
         fleet.start(pace_s=0.003)
         await wait_until(lambda: fleet.acked_count() >= 400 and member.applier.records >= 300, 60, "traffic")
-        applied_at_kill = member.applier.records
         acked_at_kill = fleet.acked_count()
         in_flight = fleet.in_flight()
         t_kill = time.monotonic()
@@ -65,8 +76,9 @@ async def test_broker_sigkill_mid_stream_member_converges(tmp_path):
         # Nothing published was lost, so the acknowledged records are the engines' whole story.
         assert exp.blocks_per_worker() == sim_blocks(fleet.sim)
 
-        converge = await wait_until(lambda: diff_index(member.applier.index, exp) is None, 120,
-                                    "member equal to the oracle")
+        converge = await wait_until(
+            lambda: diff_index(member.applier.index, exp) is None, 120, "member equal to the oracle"
+        )
         converge_from_back = time.monotonic() - t_back
         assert member.applier.index.digest() == exp.digest()
         assert all(w["trusted"] for w in member.applier.workers())

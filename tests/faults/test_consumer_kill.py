@@ -15,10 +15,20 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from oracle_feed import (
+    Fleet,
+    build_expected,
+    committed_offsets,
+    end_offsets,
+    free_port,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
 
-from consumer.snapshot import decode_snapshot
-from oracle_feed import (Fleet, build_expected, committed_offsets, end_offsets, free_port, read_log,
-                         record_result, score_requests, sim_blocks, wait_until)
+from kvwire.consumer.snapshot import decode_snapshot
 
 pytestmark = pytest.mark.integration
 
@@ -28,13 +38,31 @@ class IndexProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        cmd = [sys.executable, "-c", "from kvwire.cli import app; app()", "index",
-               "-b", bootstrap, "-t", topic, "--group", group, "--http", f"127.0.0.1:{self.port}",
-               "--snapshot-dir", str(snapdir), "--snapshot-interval", "1", "--heartbeat-timeout", "600"]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from kvwire.cli import app; app()",
+            "index",
+            "-b",
+            bootstrap,
+            "-t",
+            topic,
+            "--group",
+            group,
+            "--http",
+            f"127.0.0.1:{self.port}",
+            "--snapshot-dir",
+            str(snapdir),
+            "--snapshot-interval",
+            "1",
+            "--heartbeat-timeout",
+            "600",
+        ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVWIRE_KAFKA_")}
-        self._out = open(log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env,
-                                     cwd=Path(__file__).resolve().parents[2])
+        self._out = open(log, "ab")  # noqa: SIM115 - outlives this call: the child writes to it until stop()
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._out, stderr=subprocess.STDOUT, env=env, cwd=Path(__file__).resolve().parents[2]
+        )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -87,20 +115,23 @@ async def test_consumer_sigkill_restart_resumes_from_snapshot(kafka_bootstrap, n
     topic = new_topic(partitions=4)
     group = f"g-{topic}"
     snapdir = tmp_path / "snapshots"
-    fleet = await asyncio.to_thread(Fleet, kafka_bootstrap, topic, 4, sim={"seed": 21, "workers": 8},
-                                    pub={"heartbeat_interval_s": 1.0})
+    fleet = await asyncio.to_thread(
+        Fleet, kafka_bootstrap, topic, 4, sim={"seed": 21, "workers": 8}, pub={"heartbeat_interval_s": 1.0}
+    )
     procs: list[IndexProcess] = []
     try:
         await asyncio.to_thread(fleet.run, 200)
         first = IndexProcess(kafka_bootstrap, topic, group, snapdir, tmp_path / "index-1.log")
         procs.append(first)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as s:
+
             async def ready(p: IndexProcess) -> bool:
                 assert p.alive(), p.log_tail()
                 return (await _get(s, f"{p.url}/healthz"))[0] == 200
 
             await wait_until(lambda: ready(first), 90, "first member ready")
             fleet.start(pace_s=0.003)
+
             async def snapshotted() -> bool:
                 # A partition is snapshotted once it has records (an idle one has nothing to save).
                 busy = {p for p, e in (await end_offsets(kafka_bootstrap, topic)).items() if e > 0}
@@ -148,7 +179,9 @@ async def test_consumer_sigkill_restart_resumes_from_snapshot(kafka_bootstrap, n
                 async with s.post(f"{second.url}/v1/score", json={"token_ids": toks}) as r:
                     assert r.status == 200
                     ans = (await r.json())["scores"]
-                assert [(x["instance_id"], x["dp_rank"], x["matched_tokens"], x["score"]) for x in ans] == exp.score(toks)
+                assert [(x["instance_id"], x["dp_rank"], x["matched_tokens"], x["score"]) for x in ans] == exp.score(
+                    toks
+                )
             _, metrics = await _get(s, f"{second.url}/metrics")
             replayed = int(_metric(metrics, "kvwire_records_applied_total"))
             # It resumed from the snapshots: it applied the tail, not the whole log again.

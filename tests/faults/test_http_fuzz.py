@@ -6,21 +6,21 @@ bounded across the run (tracemalloc peak). Pure: no broker, the index is fed dir
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import time
-import gc
 import tracemalloc
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-
-from consumer.apply import Applier
-from consumer.http import make_app
 from oracle_feed import free_port, record_result
-from producer.simulator import SimConfig, Simulator
-from schemas.events import EventBatch
+
+from kvwire.consumer.apply import Applier
+from kvwire.consumer.http import make_app
+from kvwire.producer.simulator import SimConfig, Simulator
+from kvwire.schemas.events import EventBatch
 
 MAX_BODY = 64 * 1024
 MAX_TOKENS = 4096
@@ -59,8 +59,14 @@ class Harness:
         self.peer = TestServer(make_app(self.applier, lambda: True))
         await self.peer.start_server()
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a peer that is down
-        app = make_app(self.applier, lambda: True, peers=[str(self.peer.make_url("")).rstrip("/"), dead],
-                       max_tokens=MAX_TOKENS, max_body_bytes=MAX_BODY, peer_timeout_s=1.0)
+        app = make_app(
+            self.applier,
+            lambda: True,
+            peers=[str(self.peer.make_url("")).rstrip("/"), dead],
+            max_tokens=MAX_TOKENS,
+            max_body_bytes=MAX_BODY,
+            peer_timeout_s=1.0,
+        )
         self.client = TestClient(TestServer(app))
         await self.client.start_server()
 
@@ -89,10 +95,12 @@ def harness():
     # what serving requests holds, not on a one-off JIT.
     # Every handler and the score paths the fuzz reaches (block sizes, LoRA, the largest ids, a
     # long prompt), so no first-use compilation or import lands in the traced window.
-    for body in ({"token_ids": list(h.sim.system_prompts[0])},
-                 {"token_ids": [0, 2**32 - 1] * 8, "lora_name": "x", "block_size": 16, "local": True},
-                 {"token_ids": list(range(5000)), "block_size": 1, "limit": 3},
-                 {"token_ids": [1], "bogus": 1}):
+    for body in (
+        {"token_ids": list(h.sim.system_prompts[0])},
+        {"token_ids": [0, 2**32 - 1] * 8, "lora_name": "x", "block_size": 16, "local": True},
+        {"token_ids": list(range(5000)), "block_size": 1, "limit": 3},
+        {"token_ids": [1], "bogus": 1},
+    ):
         h.request("POST", "/v1/score", _encode_json(body), "application/json")
     for path in ("/v1/workers", "/v1/digest", "/healthz", "/metrics", "/nope"):
         h.request("GET", path, None, None)
@@ -122,16 +130,31 @@ def _check(status: int, data: bytes, method: str, path: str) -> None:
         assert body.get("partial") in (True, None)  # the dead peer is owned up to, never hidden
 
 
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(2**80), max_value=2**80),
-                      st.floats(allow_nan=False), st.text(max_size=40))
-json_any = st.recursive(json_leaf, lambda kids: st.one_of(st.lists(kids, max_size=8),
-                                                          st.dictionaries(st.text(max_size=12), kids, max_size=6)),
-                        max_leaves=30)
-token = st.one_of(st.integers(min_value=0, max_value=2**32 - 1), st.integers(min_value=-(2**70), max_value=2**70),
-                  st.floats(allow_nan=False), st.text(max_size=5), st.none())
+json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**80), max_value=2**80),
+    st.floats(allow_nan=False),
+    st.text(max_size=40),
+)
+json_any = st.recursive(
+    json_leaf,
+    lambda kids: st.one_of(st.lists(kids, max_size=8), st.dictionaries(st.text(max_size=12), kids, max_size=6)),
+    max_leaves=30,
+)
+token = st.one_of(
+    st.integers(min_value=0, max_value=2**32 - 1),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False),
+    st.text(max_size=5),
+    st.none(),
+)
 _score_fields = st.fixed_dictionaries(
-    {"token_ids": st.one_of(st.lists(st.integers(min_value=0, max_value=40000), max_size=600),
-                            st.lists(token, max_size=50), json_any)},
+    {
+        "token_ids": st.one_of(
+            st.lists(st.integers(min_value=0, max_value=40000), max_size=600), st.lists(token, max_size=50), json_any
+        )
+    },
     optional={
         "lora_name": st.one_of(st.text(max_size=60), st.integers(), st.none(), json_any),
         "block_size": st.one_of(st.integers(min_value=-5, max_value=2**40), st.none(), st.text(max_size=4)),
@@ -140,10 +163,10 @@ _score_fields = st.fixed_dictionaries(
     },
 )
 # Unknown fields, some with long names: an error must not echo them back.
-_unknown_fields = st.dictionaries(st.one_of(st.text(min_size=1, max_size=20), st.text(min_size=500, max_size=3000)),
-                                  json_leaf, max_size=2)
-score_body = st.builds(lambda known, extra: {**extra, **known}, _score_fields,
-                       st.one_of(st.just({}), _unknown_fields))
+_unknown_fields = st.dictionaries(
+    st.one_of(st.text(min_size=1, max_size=20), st.text(min_size=500, max_size=3000)), json_leaf, max_size=2
+)
+score_body = st.builds(lambda known, extra: {**extra, **known}, _score_fields, st.one_of(st.just({}), _unknown_fields))
 
 
 def _encode_json(obj) -> bytes:
@@ -151,38 +174,71 @@ def _encode_json(obj) -> bytes:
 
 
 # Huge arrays of tokens, at and past the limits (tokens, then body size).
-huge_tokens = st.builds(lambda n, v: _encode_json({"token_ids": [v] * n}),
-                        st.sampled_from([MAX_TOKENS, MAX_TOKENS + 1, 10_000, 20_000]), st.integers(0, 99))
+huge_tokens = st.builds(
+    lambda n, v: _encode_json({"token_ids": [v] * n}),
+    st.sampled_from([MAX_TOKENS, MAX_TOKENS + 1, 10_000, 20_000]),
+    st.integers(0, 99),
+)
 body_st = st.one_of(
     score_body.map(_encode_json),
     json_any.map(_encode_json),
     huge_tokens,
     st.binary(max_size=2000),
     st.text(max_size=300).map(lambda s: s.encode("utf-8", "surrogatepass")),
-    st.sampled_from([b"", b"{", b"null", b"[]", b"\xff\xfe", b'{"token_ids": [1e309]}',
-                     b'{"token_ids": [' + b"9" * 5000 + b"]}", b'{"token_ids": "\\ud800"}',
-                     b"x" * (MAX_BODY + 1)]),
+    st.sampled_from(
+        [
+            b"",
+            b"{",
+            b"null",
+            b"[]",
+            b"\xff\xfe",
+            b'{"token_ids": [1e309]}',
+            b'{"token_ids": [' + b"9" * 5000 + b"]}",
+            b'{"token_ids": "\\ud800"}',
+            b"x" * (MAX_BODY + 1),
+        ]
+    ),
     st.none(),
 )
 method_st = st.sampled_from(["GET", "POST", "POST", "POST", "PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
-path_st = st.one_of(st.sampled_from(PATHS), st.sampled_from(PATHS).map(lambda p: p + "?x=1&limit=-1"),
-                    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789/_-.%", max_size=40).map(lambda s: "/" + s.lstrip("/")))  # "//x" is a host to the client
-ctype_st = st.sampled_from([None, "application/json", "text/plain", "application/octet-stream",
-                            "application/json; charset=latin-1", "multipart/form-data"])
+path_st = st.one_of(
+    st.sampled_from(PATHS),
+    st.sampled_from(PATHS).map(lambda p: p + "?x=1&limit=-1"),
+    st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789/_-.%", max_size=40).map(lambda s: "/" + s.lstrip("/")),
+)  # "//x" is a host to the client
+ctype_st = st.sampled_from(
+    [
+        None,
+        "application/json",
+        "text/plain",
+        "application/octet-stream",
+        "application/json; charset=latin-1",
+        "multipart/form-data",
+    ]
+)
 
 
 # Most requests aim at the score endpoint, where the input parsing lives.
-target_st = st.one_of(st.just(("POST", "/v1/score")), st.just(("POST", "/v1/score")), st.just(("POST", "/v1/score")),
-                      st.tuples(method_st, path_st))
+target_st = st.one_of(
+    st.just(("POST", "/v1/score")),
+    st.just(("POST", "/v1/score")),
+    st.just(("POST", "/v1/score")),
+    st.tuples(method_st, path_st),
+)
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=250,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(target=target_st, body=body_st, ctype=ctype_st)
 @example(target=("POST", "/v1/score"), body=_encode_json({"token_ids": [1], "x" * 60000: 1}), ctype="application/json")
 @example(target=("POST", "/v1/score"), body=b"y" * (MAX_BODY * 4), ctype="application/json")
 @example(target=("POST", "/v1/score"), body=_encode_json({"token_ids": [1, 2], "lora_name": "\ud800"}), ctype=None)
-@example(target=("POST", "/v1/score"), body=_encode_json({"token_ids": list(range(MAX_TOKENS)), "block_size": 1}), ctype=None)
+@example(
+    target=("POST", "/v1/score"), body=_encode_json({"token_ids": list(range(MAX_TOKENS)), "block_size": 1}), ctype=None
+)
 def test_http_api_under_hostile_requests(harness, target, body, ctype):
     method, path = target
     status, data = harness.request(method, path, body, ctype)
@@ -197,7 +253,9 @@ def test_http_fuzz_memory_and_summary(harness):
     peak -= harness.base
     a, sim = harness.applier, harness.sim
     toks = list(sim.system_prompts[0])
-    status, data = harness.request("POST", "/v1/score", _encode_json({"token_ids": toks, "local": True}), "application/json")
+    status, data = harness.request(
+        "POST", "/v1/score", _encode_json({"token_ids": toks, "local": True}), "application/json"
+    )
     assert status == 200
     want = [(s.instance_id, s.dp_rank, s.matched_tokens) for s in a.score(toks)]
     assert [(x["instance_id"], x["dp_rank"], x["matched_tokens"]) for x in json.loads(data)["scores"]] == want

@@ -13,11 +13,19 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from oracle_feed import (
+    Fleet,
+    build_expected,
+    diff_index,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
 
-from consumer.http import make_app
-from consumer.ingest import IndexMember, IngestConfig
-from oracle_feed import (Fleet, build_expected, diff_index, read_log, record_result, score_requests,
-                         sim_blocks, wait_until)
+from kvwire.consumer.http import make_app
+from kvwire.consumer.ingest import IndexMember, IngestConfig
 
 pytestmark = pytest.mark.integration
 
@@ -43,16 +51,22 @@ async def _state(client: TestClient, fleet: Fleet, prompts):
     for toks in prompts:
         r = await client.post("/v1/score", json={"token_ids": toks})
         assert r.status == 200
-        scores.append([(x["instance_id"], x["dp_rank"], x["matched_tokens"], x["score"])
-                       for x in (await r.json())["scores"]])
+        scores.append(
+            [(x["instance_id"], x["dp_rank"], x["matched_tokens"], x["score"]) for x in (await r.json())["scores"]]
+        )
     return workers, scores
 
 
 async def test_overflow_gap_untrusts_until_next_reset(kafka_bootstrap, new_topic):
     topic = new_topic(partitions=2)
     fleet = await asyncio.to_thread(
-        Fleet, kafka_bootstrap, topic, 2, sim={"workers": 3, "p_restart": 0.0, "p_clear": 0.0, "seed": 51},
-        pub={"queue_size": QUEUE, "heartbeat_interval_s": 3600})
+        Fleet,
+        kafka_bootstrap,
+        topic,
+        2,
+        sim={"workers": 3, "p_restart": 0.0, "p_clear": 0.0, "seed": 51},
+        pub={"queue_size": QUEUE, "heartbeat_interval_s": 3600},
+    )
     member = IndexMember(IngestConfig(kafka_bootstrap, topic, heartbeat_timeout_s=600))
     await member.start()
     client = TestClient(TestServer(make_app(member.applier, lambda: member.ready)))
@@ -98,7 +112,7 @@ async def test_overflow_gap_untrusts_until_next_reset(kafka_bootstrap, new_topic
         reasons = [r["untrusted_reason"] for r in v["ranks"]]
         assert all(r and f"producer lost {dropped} batch(es)" in r for r in reasons), reasons
         assert all(x["trusted"] for k, x in workers.items() if k != victim)
-        for toks, got in zip(prompts, scores):
+        for toks, got in zip(prompts, scores, strict=False):
             assert got == mid.score(toks)
             assert victim not in {(i, d) for i, d, _, _ in got}
         # Its blocks are still indexed (the next reset replaces them); they just do not score.
@@ -124,7 +138,7 @@ async def test_overflow_gap_untrusts_until_next_reset(kafka_bootstrap, new_topic
         converge_s = time.monotonic() - t_reset
         workers, scores = await _state(client, fleet, prompts)
         assert all(x["trusted"] and all(r["untrusted_reason"] is None for r in x["ranks"]) for x in workers.values())
-        for toks, got in zip(prompts, scores):
+        for toks, got in zip(prompts, scores, strict=False):
             assert got == exp.score(toks)
         assert any(victim in {(i, d) for i, d, _, _ in got} for got in scores), "the victim scores again"
         record_result(

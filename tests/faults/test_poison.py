@@ -7,22 +7,30 @@ stays alive and keeps applying; the index equals the oracle fed the good records
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 from array import array
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from oracle_feed import (
+    applier_scores,
+    assert_scores,
+    build_expected,
+    diff_index,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
 
-from consumer.ingest import IndexMember, IngestConfig
-from oracle_feed import (applier_scores, assert_scores, build_expected, diff_index, read_log, record_result,
-                         score_requests, sim_blocks, wait_until)
-from producer.partitioner import default_partition
-from producer.publisher import AckInfo, HEADERS
-from producer.simulator import SimConfig, Simulator
-from schemas import codec
-from schemas.events import AllBlocksCleared, BlockStored, EventBatch, WorkerId
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.producer.partitioner import default_partition
+from kvwire.producer.publisher import HEADERS, AckInfo
+from kvwire.producer.simulator import SimConfig, Simulator
+from kvwire.schemas import codec
+from kvwire.schemas.events import AllBlocksCleared, BlockStored, EventBatch, WorkerId
 
 pytestmark = pytest.mark.integration
 
@@ -70,8 +78,21 @@ class Poison:
 
     def make(self, valid: bytes):
         rng = self.rng
-        kind = rng.choice(["random", "truncated", "bitflip", "fingerprint", "huge_len", "huge_count",
-                           "empty", "tombstone", "inapplicable", "magic_only", "trailing"])
+        kind = rng.choice(
+            [
+                "random",
+                "truncated",
+                "bitflip",
+                "fingerprint",
+                "huge_len",
+                "huge_count",
+                "empty",
+                "tombstone",
+                "inapplicable",
+                "magic_only",
+                "trailing",
+            ]
+        )
         if kind == "random":
             v = rng.randbytes(rng.randrange(0, 300))
             if rng.random() < 0.5:
@@ -96,7 +117,7 @@ class Poison:
         elif kind == "huge_len":
             v = valid[:10] + _zigzag_varint(rng.choice([2**62, 2**40, 2**31, 10**9, -7])) + valid[11:]
         elif kind == "huge_count":
-            v = _E0[:_EVENTS_AT] + _zigzag_varint(rng.choice([2**62, 2**40, 2**31, 10**9])) + _E0[_EVENTS_AT + 1:]
+            v = _E0[:_EVENTS_AT] + _zigzag_varint(rng.choice([2**62, 2**40, 2**31, 10**9])) + _E0[_EVENTS_AT + 1 :]
         elif kind == "empty":
             v = b""
         elif kind == "tombstone":
@@ -115,8 +136,7 @@ class Poison:
 
 
 async def _read_dlq(bootstrap: str, topic: str, n: int):
-    c = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                         enable_auto_commit=False)
+    c = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False)
     await c.start()
     got = []
     try:
@@ -152,8 +172,9 @@ async def test_poison_records_all_dead_lettered_index_equals_oracle(kafka_bootst
         if k not in seqs:
             epochs[k] = [rng.randrange(1, 1 << 62)]
             seqs[k] = 0
-        b = EventBatch(rank, epochs[k][-1], seqs[k], time.time_ns() // 1000, tuple(events), reset=seqs[k] == 0,
-                       source="simulator")
+        b = EventBatch(
+            rank, epochs[k][-1], seqs[k], time.time_ns() // 1000, tuple(events), reset=seqs[k] == 0, source="simulator"
+        )
         seqs[k] += 1
         good_values.append(codec.encode(b))
         pending.append(("good", rank, b))
@@ -171,8 +192,9 @@ async def test_poison_records_all_dead_lettered_index_equals_oracle(kafka_bootst
             for _, rank, b in goods:
                 value = codec.encode(b)
                 p = default_partition(rank.kafka_key(), PARTITIONS)
-                sent.append(("good", b, await producer.send(topic, value, key=rank.kafka_key(), partition=p,
-                                                            headers=HEADERS)))
+                sent.append(
+                    ("good", b, await producer.send(topic, value, key=rank.kafka_key(), partition=p, headers=HEADERS))
+                )
             for _ in range(rng.randint(3, 12)):
                 v = poison.make(good_values[rng.randrange(len(good_values))] if good_values else _E1)
                 key = rng.choice([None, b"bad", rng.randbytes(rng.randint(0, 40))])
@@ -182,7 +204,8 @@ async def test_poison_records_all_dead_lettered_index_equals_oracle(kafka_bootst
                     # (the Java producer, kcat) write it: append it below the guard.
                     await producer.client._wait_on_metadata(topic)
                     fut = await producer._message_accumulator.add_message(
-                        TopicPartition(topic, part), None, None, 30.0, timestamp_ms=None, headers=[])
+                        TopicPartition(topic, part), None, None, 30.0, timestamp_ms=None, headers=[]
+                    )
                 else:
                     fut = await producer.send(topic, v, key=key, partition=part)
                 sent.append(("bad", v, fut))
@@ -196,8 +219,13 @@ async def test_poison_records_all_dead_lettered_index_equals_oracle(kafka_bootst
         # A last good record after all the poison: the member is alive and still applying.
         sim.run(5)
         for _, rank, b in pending:
-            md = await producer.send_and_wait(topic, codec.encode(b), key=rank.kafka_key(),
-                                              partition=default_partition(rank.kafka_key(), PARTITIONS), headers=HEADERS)
+            md = await producer.send_and_wait(
+                topic,
+                codec.encode(b),
+                key=rank.kafka_key(),
+                partition=default_partition(rank.kafka_key(), PARTITIONS),
+                headers=HEADERS,
+            )
             acks.append(AckInfo(b.worker, b.epoch, b.seq, 0, md.partition, md.offset))
         t_written = time.monotonic()
 
@@ -205,15 +233,18 @@ async def test_poison_records_all_dead_lettered_index_equals_oracle(kafka_bootst
         exp = build_expected(records, acks, epochs)
         assert exp.acked_lost == 0 and exp.acked_records == len(acks) == len(records) - len(bad_at)
         assert exp.blocks_per_worker() == sim_blocks(sim)
-        await wait_until(lambda: member.ready and diff_index(member.applier.index, exp) is None, 180,
-                         "member equal to the oracle")
+        await wait_until(
+            lambda: member.ready and diff_index(member.applier.index, exp) is None, 180, "member equal to the oracle"
+        )
         converge_s = time.monotonic() - t_written
         assert member._task is not None and not member._task.done(), "the ingest task died"
         assert member.applier.index.digest() == exp.digest()
         assert_scores(applier_scores(member.applier), exp, score_requests(sim, 30))
         good_workers = {w for w in exp.workers}
         assert all(w["trusted"] for w in member.applier.workers() if (w["instance_id"], w["dp_rank"]) in good_workers)
-        await wait_until(lambda: member.applier.metrics.dead_letters._value.get() >= len(bad_at), 60, "dead letters counted")
+        await wait_until(
+            lambda: member.applier.metrics.dead_letters._value.get() >= len(bad_at), 60, "dead letters counted"
+        )
         await member.stop()  # flushes the last dead letters before its final commit
 
         got = await _read_dlq(kafka_bootstrap, dlq, len(bad_at))

@@ -13,11 +13,22 @@ import time
 
 import aiohttp
 import pytest
+from oracle_feed import (
+    Fleet,
+    build_expected,
+    diff_index,
+    diff_union,
+    end_offsets,
+    free_port,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
 
-from consumer.http import make_app, serve
-from consumer.ingest import IndexMember, IngestConfig
-from oracle_feed import (Fleet, build_expected, diff_index, diff_union, end_offsets, free_port, read_log,
-                         record_result, score_requests, sim_blocks, wait_until)
+from kvwire.consumer.http import make_app, serve
+from kvwire.consumer.ingest import IndexMember, IngestConfig
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +57,9 @@ async def test_members_join_and_leave_under_load(kafka_bootstrap, new_topic, mod
     topic = new_topic(partitions=PARTITIONS)
     shared = mode == "shared_group"
     group = f"g-{topic}" if shared else None
-    fleet = await asyncio.to_thread(Fleet, kafka_bootstrap, topic, PARTITIONS,
-                                    sim={"workers": 12, "seed": 31}, pub={"heartbeat_interval_s": 1.0})
+    fleet = await asyncio.to_thread(
+        Fleet, kafka_bootstrap, topic, PARTITIONS, sim={"workers": 12, "seed": 31}, pub={"heartbeat_interval_s": 1.0}
+    )
     members: dict[str, IndexMember] = {}
     overlaps: list[tuple] = []
     runners = []
@@ -85,11 +97,10 @@ async def test_members_join_and_leave_under_load(kafka_bootstrap, new_topic, mod
         def settled() -> bool:
             owned = [_owned(m) for m in live]
             if shared:
-                ok = all(owned) and set().union(*owned) == set(range(PARTITIONS)) and \
-                    sum(map(len, owned)) == PARTITIONS
+                ok = all(owned) and set().union(*owned) == set(range(PARTITIONS)) and sum(map(len, owned)) == PARTITIONS
             else:
                 ok = all(o == set(range(PARTITIONS)) for o in owned)
-            return ok and all(m.assigned == o for m, o in zip(live, owned)) and all(m.ready for m in live)
+            return ok and all(m.assigned == o for m, o in zip(live, owned, strict=False)) and all(m.ready for m in live)
 
         await wait_until(settled, 120, "group settled after the churn")
         settle_s = time.monotonic() - t_churn_end
@@ -102,11 +113,17 @@ async def test_members_join_and_leave_under_load(kafka_bootstrap, new_topic, mod
         assert exp.blocks_per_worker() == sim_blocks(fleet.sim)
 
         if shared:
-            await wait_until(lambda: diff_union([m.applier.index for m in live], exp) is None, 120,
-                             "union of the members equal to the oracle")
+            await wait_until(
+                lambda: diff_union([m.applier.index for m in live], exp) is None,
+                120,
+                "union of the members equal to the oracle",
+            )
         else:
-            await wait_until(lambda: all(diff_index(m.applier.index, exp) is None for m in live), 120,
-                             "every member equal to the oracle")
+            await wait_until(
+                lambda: all(diff_index(m.applier.index, exp) is None for m in live),
+                120,
+                "every member equal to the oracle",
+            )
         converge_s = time.monotonic() - t_churn_end
         assert not overlaps, f"partitions owned twice: {overlaps[:10]}"
         owned = [_owned(m) for m in live]
@@ -122,7 +139,7 @@ async def test_members_join_and_leave_under_load(kafka_bootstrap, new_topic, mod
         # The router's view: a score through any member (scatter-gather in shared mode).
         ports = [free_port() for _ in live]
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        for i, (m, port) in enumerate(zip(live, ports)):
+        for i, (m, port) in enumerate(zip(live, ports, strict=False)):
             peers = [u for j, u in enumerate(urls) if j != i] if shared else []
             runners.append(await serve(make_app(m.applier, lambda m=m: m.ready, peers=peers), "127.0.0.1", port))
         async with aiohttp.ClientSession() as s:

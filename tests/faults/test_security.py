@@ -3,6 +3,7 @@ publisher, bridge and index connecting with credentials from the environment, cl
 them refused, and the password absent from every log line, HTTP answer and repr we produce.
 
 The password is random per session (tests/faults/conftest.py), so a substring check is exact."""
+
 from __future__ import annotations
 
 import asyncio
@@ -26,15 +27,16 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
 
 from kvwire.options import client_options_from_env, redact
-from producer.publisher import KafkaPublisher, PublisherConfig
-from schemas.codec import decode
-from schemas.events import WorkerId, stored
+from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+from kvwire.schemas.codec import decode
+from kvwire.schemas.events import WorkerId, stored
 
 ROOT = Path(__file__).resolve().parents[2]
 WRONG = "wrong-" + os.urandom(6).hex()
 
 
 # ------------------------------------------------------------------ helpers
+
 
 @pytest.fixture
 def logs(caplog: pytest.LogCaptureFixture) -> pytest.LogCaptureFixture:
@@ -60,8 +62,7 @@ async def read_batches(bootstrap: str, topic: str, opts: dict, until, limit_s: f
     """Decoded batches of partition 0 from the start until `until(batches)` holds.
 
     The limit guards against a hang; it is not a timing assertion."""
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                         auto_offset_reset="earliest", **opts)
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest", **opts)
     await c.start()
     out: list = []
     try:
@@ -105,12 +106,13 @@ class Proc:
 
     def __init__(self, tmp: Path, name: str, argv: list[str], env: dict[str, str]):
         self.out_path = tmp / f"{name}.out"
-        self._out = open(self.out_path, "wb")
+        self._out = open(self.out_path, "wb")  # noqa: SIM115 - the child process writes to it until stop()
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         # Only the broker credentials under test may reach the child.
         full_env.pop("KAFKA_BOOTSTRAP_SERVERS", None)
-        self.p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=full_env,
-                                  stdout=self._out, stderr=subprocess.STDOUT)
+        self.p = subprocess.Popen(
+            [sys.executable, *argv], cwd=ROOT, env=full_env, stdout=self._out, stderr=subprocess.STDOUT
+        )
 
     def output(self) -> str:
         return self.out_path.read_text(errors="replace")
@@ -141,12 +143,14 @@ def http_get(url: str) -> tuple[int, str]:
 def publish(k, topic: str, worker: WorkerId, n: int, *, tls: bool = False) -> list:
     """n batches through KafkaPublisher, credentials taken the way a deployment gives them."""
     opts = client_options_from_env(k.env(tls=tls))
-    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=brokers(k, tls), topic=topic, partitions=1,
-                                         heartbeat_interval_s=3600, client_options=opts))
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=brokers(k, tls), topic=topic, partitions=1, heartbeat_interval_s=3600, client_options=opts
+        )
+    )
     try:
         st = pub.stream(worker, source="test")
-        sent = [[stored([2 * i, 2 * i + 1], range(i, i + 8), 4, medium="GPU")]
-                for i in range(n)]
+        sent = [[stored([2 * i, 2 * i + 1], range(i, i + 8), 4, medium="GPU")] for i in range(n)]
         for ev in sent:
             assert st.publish(ev)
     finally:
@@ -160,20 +164,23 @@ def publish(k, topic: str, worker: WorkerId, n: int, *, tls: bool = False) -> li
 
 # ------------------------------------------------------------------ publisher
 
+
 @pytest.mark.integration
 @pytest.mark.parametrize("tls", [False, True], ids=["sasl_plaintext", "sasl_ssl"])
 async def test_publisher_with_env_credentials_round_trips(secure_kafka, secure_topic, logs, tls):
     w = WorkerId(f"pub-{uuid.uuid4().hex[:6]}", 0, 0, 1, "m")
     sent = publish(secure_kafka, secure_topic, w, 3, tls=tls)
     opts = client_options_from_env(secure_kafka.env(tls=tls))
-    got = await read_batches(brokers(secure_kafka, tls), secure_topic, opts,
-                             lambda bs: sum(1 for b in bs if b.events) >= 3)
+    got = await read_batches(
+        brokers(secure_kafka, tls), secure_topic, opts, lambda bs: sum(1 for b in bs if b.events) >= 3
+    )
     assert [list(b.events) for b in got if b.events] == sent
     assert {b.worker for b in got} == {w}
     assert_secret_free(logs.text, secrets=(secure_kafka.password,))
 
 
 # ------------------------------------------------------------------ refusal
+
 
 @pytest.mark.integration
 @pytest.mark.parametrize("who", ["no_credentials", "wrong_password"])
@@ -185,8 +192,7 @@ async def test_client_without_valid_credentials_is_refused(secure_kafka, secure_
     cause = "closed" if who == "no_credentials" else SaslAuthenticationFailed.__name__
     for client in (
         AIOKafkaProducer(bootstrap_servers=secure_kafka.sasl_bootstrap, request_timeout_ms=5000, **opts),
-        AIOKafkaConsumer(secure_topic, bootstrap_servers=secure_kafka.sasl_bootstrap,
-                         request_timeout_ms=5000, **opts),
+        AIOKafkaConsumer(secure_topic, bootstrap_servers=secure_kafka.sasl_bootstrap, request_timeout_ms=5000, **opts),
     ):
         logs.clear()
         try:
@@ -198,9 +204,16 @@ async def test_client_without_valid_credentials_is_refused(secure_kafka, secure_
 
     # kvwire's publisher does not raise into the engine: it keeps retrying, so what matters is
     # that nothing reached the topic.
-    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=secure_kafka.sasl_bootstrap, topic=secure_topic,
-                                         partitions=1, heartbeat_interval_s=3600, retry_backoff_s=0.2,
-                                         client_options=opts))
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=secure_kafka.sasl_bootstrap,
+            topic=secure_topic,
+            partitions=1,
+            heartbeat_interval_s=3600,
+            retry_backoff_s=0.2,
+            client_options=opts,
+        )
+    )
     try:
         st = pub.stream(WorkerId("refused"), source="test")
         st.publish([stored([1], range(4), 4)])
@@ -214,6 +227,7 @@ async def test_client_without_valid_credentials_is_refused(secure_kafka, secure_
 
 # ------------------------------------------------------------------ index
 
+
 @pytest.mark.integration
 async def test_index_builds_from_secure_topic_with_env_credentials(secure_kafka, secure_topic, tmp_path, logs):
     w = WorkerId(f"idx-{uuid.uuid4().hex[:6]}", 0, 0, 1, "m")
@@ -222,11 +236,23 @@ async def test_index_builds_from_secure_topic_with_env_credentials(secure_kafka,
     # index_cli.index is what `kvwire index` runs; called directly so this test does not depend
     # on how the root CLI mounts it. Snapshots stay on: the snapshot store is a third client
     # (admin + producer + consumer) that must carry the credentials too.
-    proc = Proc(tmp_path, "index",
-                ["-c", "import typer; from kvwire.index_cli import index; typer.run(index)",
-                 "-b", secure_kafka.sasl_bootstrap, "-t", secure_topic, "--http", f"127.0.0.1:{port}",
-                 "--log-level", "DEBUG"],
-                secure_kafka.env())
+    proc = Proc(
+        tmp_path,
+        "index",
+        [
+            "-c",
+            "import typer; from kvwire.index_cli import index; typer.run(index)",
+            "-b",
+            secure_kafka.sasl_bootstrap,
+            "-t",
+            secure_topic,
+            "--http",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "DEBUG",
+        ],
+        secure_kafka.env(),
+    )
     base = f"http://127.0.0.1:{port}"
 
     def mine(workers_json: str) -> list:
@@ -262,10 +288,17 @@ async def test_index_builds_from_secure_topic_with_env_credentials(secure_kafka,
 
 # ------------------------------------------------------------------ bridge
 
+
 def vllm_frame(seq: int, topic: bytes = b"") -> list[bytes]:
     """vLLM's ZmqEventPublisher frame: topic, big-endian seq, msgpack batch (0.26+ map shape)."""
-    ev = {"type": "BlockStored", "block_hashes": [1000 + seq], "parent_block_hash": None,
-          "token_ids": list(range(seq, seq + 4)), "block_size": 4, "medium": "GPU"}
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [1000 + seq],
+        "parent_block_hash": None,
+        "token_ids": list(range(seq, seq + 4)),
+        "block_size": 4,
+        "medium": "GPU",
+    }
     return [topic, seq.to_bytes(8, "big"), msgspec.msgpack.encode([1000.0 + seq, [ev], 0])]
 
 
@@ -276,11 +309,28 @@ async def test_bridge_forwards_with_env_credentials(secure_kafka, secure_topic, 
     pub.setsockopt(zmq.LINGER, 0)
     zport = pub.bind_to_random_port("tcp://127.0.0.1")
     instance = f"br-{uuid.uuid4().hex[:6]}"
-    proc = Proc(tmp_path, "bridge",
-                ["-m", "kvwire.cli", "bridge", "--zmq-endpoint", f"tcp://127.0.0.1:{zport}",
-                 "--instance-id", instance, "--bootstrap-servers", secure_kafka.sasl_bootstrap,
-                 "--topic", secure_topic, "--partitions", "1", "--log-level", "DEBUG"],
-                secure_kafka.env())
+    proc = Proc(
+        tmp_path,
+        "bridge",
+        [
+            "-m",
+            "kvwire.cli",
+            "bridge",
+            "--zmq-endpoint",
+            f"tcp://127.0.0.1:{zport}",
+            "--instance-id",
+            instance,
+            "--bootstrap-servers",
+            secure_kafka.sasl_bootstrap,
+            "--topic",
+            secure_topic,
+            "--partitions",
+            "1",
+            "--log-level",
+            "DEBUG",
+        ],
+        secure_kafka.env(),
+    )
     opts = client_options_from_env(secure_kafka.env())
     stop = asyncio.Event()
 
@@ -313,8 +363,11 @@ async def test_bridge_forwards_with_env_credentials(secure_kafka, secure_topic, 
 # ------------------------------------------------------------------ options (no broker)
 
 SECRET = "s3cret-" + os.urandom(6).hex()
-SASL_ENV = {"KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "KVWIRE_KAFKA_SASL_USERNAME": "u",
-            "KVWIRE_KAFKA_SASL_PASSWORD": SECRET}
+SASL_ENV = {
+    "KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+    "KVWIRE_KAFKA_SASL_USERNAME": "u",
+    "KVWIRE_KAFKA_SASL_PASSWORD": SECRET,
+}
 
 
 def test_redact_and_repr_hide_the_password():
@@ -322,19 +375,34 @@ def test_redact_and_repr_hide_the_password():
     assert opts["sasl_plain_password"] == SECRET  # aiokafka gets the real value...
     assert redact(opts)["sasl_plain_password"] == "***"  # ...logs never do
     assert redact({"nested": {"sasl_plain_password": "p"}, "sasl_oauth_token_provider": object()}) == {
-        "nested": {"sasl_plain_password": "***"}, "sasl_oauth_token_provider": "***"}
+        "nested": {"sasl_plain_password": "***"},
+        "sasl_oauth_token_provider": "***",
+    }
     cfg = PublisherConfig(client_options=opts)
     assert_secret_free(repr(opts), str(opts), f"{opts}", repr(cfg), repr(redact(opts)), secrets=(SECRET,))
     assert dict(**opts)["sasl_plain_password"] == SECRET  # still unpacks as kwargs
 
 
-@pytest.mark.parametrize("env, names", [
-    ({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, ["KVWIRE_KAFKA_SASL_USERNAME", "KVWIRE_KAFKA_SASL_PASSWORD"]),
-    ({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "sasl_plaintext", "KVWIRE_KAFKA_SASL_USERNAME": "u"}, ["KVWIRE_KAFKA_SASL_PASSWORD"]),
-    ({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "TLS"}, ["KVWIRE_KAFKA_SECURITY_PROTOCOL"]),
-    ({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT", "KVWIRE_KAFKA_SASL_MECHANISM": "GSSAPI",
-      "KVWIRE_KAFKA_SASL_USERNAME": "u", "KVWIRE_KAFKA_SASL_PASSWORD": SECRET}, ["KVWIRE_KAFKA_SASL_MECHANISM"]),
-])
+@pytest.mark.parametrize(
+    "env, names",
+    [
+        ({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL"}, ["KVWIRE_KAFKA_SASL_USERNAME", "KVWIRE_KAFKA_SASL_PASSWORD"]),
+        (
+            {"KVWIRE_KAFKA_SECURITY_PROTOCOL": "sasl_plaintext", "KVWIRE_KAFKA_SASL_USERNAME": "u"},
+            ["KVWIRE_KAFKA_SASL_PASSWORD"],
+        ),
+        ({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "TLS"}, ["KVWIRE_KAFKA_SECURITY_PROTOCOL"]),
+        (
+            {
+                "KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",
+                "KVWIRE_KAFKA_SASL_MECHANISM": "GSSAPI",
+                "KVWIRE_KAFKA_SASL_USERNAME": "u",
+                "KVWIRE_KAFKA_SASL_PASSWORD": SECRET,
+            },
+            ["KVWIRE_KAFKA_SASL_MECHANISM"],
+        ),
+    ],
+)
 def test_misconfiguration_fails_early_without_echoing_secrets(env, names):
     # Half-configured SASL would otherwise surface only as an opaque connection error at runtime.
     with pytest.raises(ValueError) as e:

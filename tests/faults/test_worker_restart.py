@@ -11,14 +11,24 @@ import time
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from oracle_feed import (
+    Fleet,
+    applier_scores,
+    assert_scores,
+    build_expected,
+    diff_index,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
 
-from consumer.ingest import IndexMember, IngestConfig
-from oracle_feed import (Fleet, applier_scores, assert_scores, build_expected, diff_index, read_log,
-                         record_result, score_requests, sim_blocks, wait_until)
-from producer.partitioner import default_partition
-from producer.publisher import HEADERS
-from schemas import codec
-from schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, stored
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.producer.partitioner import default_partition
+from kvwire.producer.publisher import HEADERS
+from kvwire.schemas import codec
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, stored
 
 pytestmark = pytest.mark.integration
 
@@ -50,8 +60,9 @@ def _zombie_batches(fleet: Fleet, w: int, old: dict, ts_us: int) -> list[tuple]:
 
 async def test_late_records_of_the_old_epoch_are_ignored(kafka_bootstrap, new_topic):
     topic = new_topic(partitions=PARTITIONS)
-    fleet = await asyncio.to_thread(Fleet, kafka_bootstrap, topic, PARTITIONS,
-                                    sim={"workers": 4, "tp_size": 2, "p_restart": 0.0, "seed": 41})
+    fleet = await asyncio.to_thread(
+        Fleet, kafka_bootstrap, topic, PARTITIONS, sim={"workers": 4, "tp_size": 2, "p_restart": 0.0, "seed": 41}
+    )
     live = IndexMember(IngestConfig(kafka_bootstrap, topic, heartbeat_timeout_s=600))
     cold = None
     await live.start()
@@ -81,8 +92,7 @@ async def test_late_records_of_the_old_epoch_are_ignored(kafka_bootstrap, new_to
         await p.start()
         try:
             for _, b in zombies:
-                await p.send_and_wait(topic, codec.encode(b), key=b.worker.kafka_key(), partition=part,
-                                      headers=HEADERS)
+                await p.send_and_wait(topic, codec.encode(b), key=b.worker.kafka_key(), partition=part, headers=HEADERS)
         finally:
             await p.stop()
         t_zombie = time.monotonic()
@@ -110,7 +120,9 @@ async def test_late_records_of_the_old_epoch_are_ignored(kafka_bootstrap, new_to
             ws = {(x["instance_id"], x["dp_rank"]): x for x in m.applier.workers()}
             victim = ws[fleet.sim.workers[w]]
             assert victim["trusted"] and {r["epoch"] for r in victim["ranks"]} == set(new_epochs.values())
-            assert_scores(applier_scores(m.applier), exp, score_requests(fleet.sim, 20) + [list(fleet.sim.system_prompts[0])])
+            assert_scores(
+                applier_scores(m.applier), exp, score_requests(fleet.sim, 20) + [list(fleet.sim.system_prompts[0])]
+            )
         assert cold.applier.metrics.skipped.labels("stale_epoch")._value.get() == len(zombies)
         record_result(
             "worker_restart_zombie_records",

@@ -5,6 +5,7 @@ schemas read from .avsc files. Every field Java prints is compared with what was
 Needs java + mvn (the jar is built here, into tests/interop/target, only when sources changed) and a
 real broker. Under CI=true a missing toolchain or a failed build fails the test instead of skipping.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from schemas.codec import CONTENT_TYPE, VERSIONS, encode
-from schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
+from kvwire.schemas.codec import CONTENT_TYPE, VERSIONS, encode
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
 
 pytestmark = pytest.mark.integration
 
@@ -54,16 +55,16 @@ def interop_jar() -> Path:
         if shutil.which(tool) is None:
             _unavailable(f"{tool} not on PATH: the Java interop check needs a JDK 17+ and Maven")
     if _stale():
-        proc = subprocess.run(["mvn", "-q", "-B", "-f", str(HERE / "pom.xml"), "package"],
-                              capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            ["mvn", "-q", "-B", "-f", str(HERE / "pom.xml"), "package"], capture_output=True, text=True, timeout=900
+        )
         if proc.returncode != 0:
             _unavailable(f"mvn package failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return JAR
 
 
 def _java(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(["java", "-cp", CLASSPATH, MAIN, *args],
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(["java", "-cp", CLASSPATH, MAIN, *args], capture_output=True, text=True, timeout=timeout)
 
 
 # ---------------------------------------------------------------- what is produced
@@ -80,45 +81,77 @@ def sample_batches() -> list[tuple[EventBatch, int]]:
     w_b = WorkerId("inst-b/x", dp_rank=3, tp_rank=0, tp_size=4, model="")
     t0 = 1_717_000_000_000_000
     every_optional = stored(
-        U64_BIG, range(3 * 4), 4, parent_block_hash=(1 << 64) - 2,
-        lora_id=7, medium="GPU", lora_name="sql-lora",
+        U64_BIG,
+        range(3 * 4),
+        4,
+        parent_block_hash=(1 << 64) - 2,
+        lora_id=7,
+        medium="GPU",
+        lora_name="sql-lora",
         extra_keys=(
-            ("sql-lora", ("mm-image-1", 0), DIGEST_A),   # LoRA, [id, offset] pair, digest
-            None,                                         # a block without extra keys
-            ("salt", 3, 2.5, True, None, ("mm", 16)),     # every primitive branch
+            ("sql-lora", ("mm-image-1", 0), DIGEST_A),  # LoRA, [id, offset] pair, digest
+            None,  # a block without extra keys
+            ("salt", 3, 2.5, True, None, ("mm", 16)),  # every primitive branch
         ),
-        group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=4096,
-        locality="LOCAL", ownership="owner-1", session_id="sess-9",
+        group_idx=1,
+        kv_cache_spec_kind="sliding_window",
+        kv_cache_spec_sliding_window=4096,
+        locality="LOCAL",
+        ownership="owner-1",
+        session_id="sess-9",
     )
     minimal = stored([5, 6], [1, 2, 3, 4], 2)
     negative = stored([-1, -(1 << 63), 42], [0xFFFFFFFF, 0, 7], 1, parent_block_hash=-17, medium="CPU")
-    digests = stored([DIGEST_A, DIGEST_B], range(1000, 1016), 8, parent_block_hash=bytes(32),
-                     medium="STORAGE", lora_name="lora-x")
+    digests = stored(
+        [DIGEST_A, DIGEST_B], range(1000, 1016), 8, parent_block_hash=bytes(32), medium="STORAGE", lora_name="lora-x"
+    )
     return [
-        (EventBatch(w_a0, 0x1234_5678_9ABC_DEF0, 0, t0, (minimal,), reset=True,
-                    source="vllm-connector"), 2),
-        (EventBatch(w_a0, 0x1234_5678_9ABC_DEF0, 1, t0 + 1, (every_optional, negative, digests),
-                    engine_ts=1717000000.123456, source="vllm-connector"), 2),
-        (EventBatch(w_a0, 0x1234_5678_9ABC_DEF0, 2, t0 + 2,
-                    (BlockRemoved(U64_BIG[:2], medium="GPU", group_idx=0, locality="REMOTE",
-                                  ownership="o"),
-                     BlockRemoved([-5, 9]), BlockRemoved([DIGEST_B], medium="CPU"),
-                     AllBlocksCleared()), source="lmcache"), 2),
+        (EventBatch(w_a0, 0x1234_5678_9ABC_DEF0, 0, t0, (minimal,), reset=True, source="vllm-connector"), 2),
+        (
+            EventBatch(
+                w_a0,
+                0x1234_5678_9ABC_DEF0,
+                1,
+                t0 + 1,
+                (every_optional, negative, digests),
+                engine_ts=1717000000.123456,
+                source="vllm-connector",
+            ),
+            2,
+        ),
+        (
+            EventBatch(
+                w_a0,
+                0x1234_5678_9ABC_DEF0,
+                2,
+                t0 + 2,
+                (
+                    BlockRemoved(U64_BIG[:2], medium="GPU", group_idx=0, locality="REMOTE", ownership="o"),
+                    BlockRemoved([-5, 9]),
+                    BlockRemoved([DIGEST_B], medium="CPU"),
+                    AllBlocksCleared(),
+                ),
+                source="lmcache",
+            ),
+            2,
+        ),
         (EventBatch(w_a0, 0x1234_5678_9ABC_DEF0, 3, t0 + 3, source="vllm-connector"), 2),  # heartbeat
         (EventBatch(w_a0, 0x1234_5678_9ABC_DEF0, 7, t0 + 4, (minimal,), gap=3), 2),
         (EventBatch(w_a1, -(1 << 63), 0, t0 + 5, (every_optional,), reset=True, gap=0), 1),
         (EventBatch(w_a1, -(1 << 63), 1, t0 + 6, (negative, digests), engine_ts=0.5), 1),
-        (EventBatch(w_a1, -(1 << 63), 2, t0 + 7), 1),                                        # heartbeat
-        (EventBatch(w_b, (1 << 63) - 1, 0, t0 + 8, (AllBlocksCleared(),), reset=True,
-                    source="simulator"), 2),
+        (EventBatch(w_a1, -(1 << 63), 2, t0 + 7), 1),  # heartbeat
+        (EventBatch(w_b, (1 << 63) - 1, 0, t0 + 8, (AllBlocksCleared(),), reset=True, source="simulator"), 2),
         (EventBatch(w_b, (1 << 63) - 1, 5, t0 + 9, (), gap=4, source="simulator"), 2),
     ]
 
 
 def headers_for(version: int) -> list[tuple[str, bytes]]:
     sv = VERSIONS[version]
-    return [("content-type", CONTENT_TYPE.encode()), ("schema", sv.name.encode()),
-            ("fingerprint", sv.fingerprint_hex.encode())]
+    return [
+        ("content-type", CONTENT_TYPE.encode()),
+        ("schema", sv.name.encode()),
+        ("fingerprint", sv.fingerprint_hex.encode()),
+    ]
 
 
 async def produce(bootstrap: str, topic: str, batches) -> dict[tuple[int, int], tuple]:
@@ -132,8 +165,9 @@ async def produce(bootstrap: str, topic: str, batches) -> dict[tuple[int, int], 
         sent = {}
         for batch, version in batches:
             key = batch.worker.kafka_key()
-            md = await producer.send_and_wait(topic, encode(batch, version=version), key=key,
-                                              headers=headers_for(version))
+            md = await producer.send_and_wait(
+                topic, encode(batch, version=version), key=key, headers=headers_for(version)
+            )
             sent[(md.partition, md.offset)] = (batch, version, key)
         return sent
     finally:
@@ -146,7 +180,7 @@ async def produce(bootstrap: str, topic: str, batches) -> dict[tuple[int, int], 
 def unpack_hashes(kind: str, width: int, hex_: str) -> list:
     raw = bytes.fromhex(hex_)
     if kind == "DIGEST":
-        return [raw[i:i + width] for i in range(0, len(raw), width)]
+        return [raw[i : i + width] for i in range(0, len(raw), width)]
     assert width == 8 and len(raw) % 8 == 0
     return list(struct.unpack(f"<{len(raw) // 8}{'Q' if kind == 'U64' else 'q'}", raw))
 
@@ -165,7 +199,7 @@ def untag(v):
         return None
     if isinstance(v, list):
         return tuple(untag(x) for x in v)
-    (branch, inner), = v.items()
+    ((branch, inner),) = v.items()
     if branch == "bytes":
         return bytes.fromhex(inner)
     if branch == "array":
@@ -177,41 +211,69 @@ def untag(v):
 def normalise_extra(keys):
     if keys is None:
         return None
-    return tuple(None if b is None else tuple(tuple(k) if isinstance(k, (tuple, list)) else k for k in b)
-                 for b in keys)
+    return tuple(None if b is None else tuple(tuple(k) if isinstance(k, (tuple, list)) else k for k in b) for b in keys)
 
 
 def check_stored(got: dict, e) -> None:
     kind, width = got["hash_kind"], got["hash_width"]
     ints = not isinstance(e.block_hashes[0], bytes)
-    assert kind == ("DIGEST" if not ints else "I64" if min(
-        [*e.block_hashes, *([e.parent_block_hash] if e.parent_block_hash is not None else [])]) < 0 else "U64")
+    assert kind == (
+        "DIGEST"
+        if not ints
+        else "I64"
+        if min([*e.block_hashes, *([e.parent_block_hash] if e.parent_block_hash is not None else [])]) < 0
+        else "U64"
+    )
     assert width == (8 if ints else len(e.block_hashes[0]))
     assert unpack_hashes(kind, width, got["block_hashes"]) == list(e.block_hashes)
     parent = got["parent_block_hash"]
     assert (None if parent is None else unpack_hashes(kind, width, parent)[0]) == e.parent_block_hash
     assert unpack_tokens(got["token_ids"]) == e.token_ids.tolist()
-    for name in ("block_size", "lora_id", "medium", "lora_name", "group_idx", "kv_cache_spec_kind",
-                 "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"):
+    for name in (
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+    ):
         assert got[name] == getattr(e, name), name
-    assert (None if got["extra_keys"] is None else tuple(
-        None if b is None else tuple(untag(k) for k in b) for b in got["extra_keys"])
+    assert (
+        None
+        if got["extra_keys"] is None
+        else tuple(None if b is None else tuple(untag(k) for k in b) for b in got["extra_keys"])
     ) == normalise_extra(e.extra_keys)
     assert set(got) == {
-        "hash_kind", "hash_width", "block_hashes", "parent_block_hash", "token_ids", "block_size",
-        "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-        "kv_cache_spec_sliding_window", "locality", "ownership", "session_id"}
+        "hash_kind",
+        "hash_width",
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+    }
 
 
 def check_removed(got: dict, e) -> None:
     kind, width = got["hash_kind"], got["hash_width"]
     assert unpack_hashes(kind, width, got["block_hashes"]) == list(e.block_hashes)
-    assert kind == ("DIGEST" if isinstance(e.block_hashes[0], bytes)
-                    else "I64" if min(e.block_hashes) < 0 else "U64")
+    assert kind == ("DIGEST" if isinstance(e.block_hashes[0], bytes) else "I64" if min(e.block_hashes) < 0 else "U64")
     for name in ("medium", "group_idx", "locality", "ownership"):
         assert got[name] == getattr(e, name), name
-    assert set(got) == {"hash_kind", "hash_width", "block_hashes", "medium", "group_idx",
-                        "locality", "ownership"}
+    assert set(got) == {"hash_kind", "hash_width", "block_hashes", "medium", "group_idx", "locality", "ownership"}
 
 
 def check_record(line: dict, batch: EventBatch, version: int, key: bytes, java_fp: dict[int, str]) -> None:
@@ -221,15 +283,20 @@ def check_record(line: dict, batch: EventBatch, version: int, key: bytes, java_f
     assert line["writer_fingerprint"] == java_fp[version]
     r = line["record"]
     w = batch.worker
-    assert r["worker"] == {"instance_id": w.instance_id, "model": w.model, "dp_rank": w.dp_rank,
-                           "tp_rank": w.tp_rank, "tp_size": w.tp_size}
+    assert r["worker"] == {
+        "instance_id": w.instance_id,
+        "model": w.model,
+        "dp_rank": w.dp_rank,
+        "tp_rank": w.tp_rank,
+        "tp_size": w.tp_size,
+    }
     for name in ("epoch", "seq", "ts_us", "engine_ts", "reset", "gap"):
         assert r[name] == getattr(batch, name), name
     # A v1 writer has no `source`: Java must resolve it to the v2 default, as the Python codec does.
     assert r["source"] == (batch.source if version >= 2 else "")
     assert len(r["events"]) == len(batch.events)
-    for tagged, e in zip(r["events"], batch.events):
-        (name, got), = tagged.items()
+    for tagged, e in zip(r["events"], batch.events, strict=False):
+        ((name, got),) = tagged.items()
         assert name == f"dev.kvwire.{type(e).__name__}"
         if isinstance(e, AllBlocksCleared):
             assert got == {}
@@ -265,10 +332,9 @@ def test_fingerprints_match_java(interop_jar, tmp_path):
         assert s.fingerprint_hex == java[s.version]["fingerprint"]
         assert s.header.hex() == java[s.version]["header_hex"]
     for v in exported["versions"]:
-        assert (v["fingerprint"], v["header"]) == (java[v["version"]]["fingerprint"],
-                                                   java[v["version"]]["header_hex"])
+        assert (v["fingerprint"], v["header"]) == (java[v["version"]]["fingerprint"], java[v["version"]]["header_hex"])
     res = CliRunner().invoke(app, ["schemas"])
-    for v, d in java.items():
+    for d in java.values():
         assert f"fingerprint={d['fingerprint']}" in res.output
 
 
@@ -290,8 +356,9 @@ def test_java_consumer_decodes_every_record(interop_jar, kafka_bootstrap, new_to
     assert {v for _, v, _ in sent.values()} == {1, 2}
 
     java_fp = {v: d["fingerprint"] for v, d in java_fingerprints(REPO / "schemas" / "avro").items()}
-    proc = _java("consume", kafka_bootstrap, topic, str(REPO / "schemas" / "avro"),
-                 str(len(sent)), "120000", timeout=300)
+    proc = _java(
+        "consume", kafka_bootstrap, topic, str(REPO / "schemas" / "avro"), str(len(sent)), "120000", timeout=300
+    )
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert sorted((d["partition"], d["offset"]) for d in lines) == sorted(sent)
@@ -303,8 +370,9 @@ def test_java_consumer_decodes_every_record(interop_jar, kafka_bootstrap, new_to
 async def _read_all(bootstrap: str, topic: str) -> dict[tuple[int, int], tuple[bytes, bytes]]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False,
-                                auto_offset_reset="earliest")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=None, enable_auto_commit=False, auto_offset_reset="earliest"
+    )
     await consumer.start()
     try:
         cluster = await consumer._client.fetch_all_metadata()
@@ -325,20 +393,34 @@ async def _read_all(bootstrap: str, topic: str) -> dict[tuple[int, int], tuple[b
 def test_java_decodes_what_the_kvwire_publisher_wrote(interop_jar, kafka_bootstrap, new_topic):
     # The publisher picks epochs, sequences, headers and framing itself: this proves the real
     # producer path (not just the codec) is readable from Java.
-    from producer.config import PublisherConfig
-    from producer.publisher import KafkaPublisher
+    from kvwire.producer.config import PublisherConfig
+    from kvwire.producer.publisher import KafkaPublisher
 
     topic = new_topic(partitions=2)
     worker = WorkerId("pub-a", dp_rank=1, tp_rank=0, tp_size=2, model="m")
-    published = [ev for ev in (
-        (stored(U64_BIG, range(12), 4, medium="GPU", lora_name="l",
-                extra_keys=(("l", ("img", 0)), None, (DIGEST_A,))),),
-        (stored([-1, 2], [5, 6], 1, parent_block_hash=-3, medium="CPU"),
-         BlockRemoved([DIGEST_A], medium="STORAGE")),
-        (AllBlocksCleared(),),
-    )]
-    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=kafka_bootstrap, topic=topic, partitions=2,
-                                         heartbeat_interval_s=3600.0))
+    published = [
+        ev
+        for ev in (
+            (
+                stored(
+                    U64_BIG,
+                    range(12),
+                    4,
+                    medium="GPU",
+                    lora_name="l",
+                    extra_keys=(("l", ("img", 0)), None, (DIGEST_A,)),
+                ),
+            ),
+            (
+                stored([-1, 2], [5, 6], 1, parent_block_hash=-3, medium="CPU"),
+                BlockRemoved([DIGEST_A], medium="STORAGE"),
+            ),
+            (AllBlocksCleared(),),
+        )
+    ]
+    pub = KafkaPublisher(
+        PublisherConfig(bootstrap_servers=kafka_bootstrap, topic=topic, partitions=2, heartbeat_interval_s=3600.0)
+    )
     try:
         stream = pub.stream(worker, "simulator")
         for events in published:
@@ -347,11 +429,12 @@ def test_java_decodes_what_the_kvwire_publisher_wrote(interop_jar, kafka_bootstr
         pub.close()
 
     records = asyncio.run(_read_all(kafka_bootstrap, topic))
-    proc = _java("consume", kafka_bootstrap, topic, str(REPO / "schemas" / "avro"),
-                 str(len(records)), "120000", timeout=300)
+    proc = _java(
+        "consume", kafka_bootstrap, topic, str(REPO / "schemas" / "avro"), str(len(records)), "120000", timeout=300
+    )
     assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     java_fp = {v: d["fingerprint"] for v, d in java_fingerprints(REPO / "schemas" / "avro").items()}
-    from schemas.codec import CURRENT, decode
+    from kvwire.schemas.codec import CURRENT, decode
 
     lines = [json.loads(x) for x in proc.stdout.splitlines()]
     assert not [d for d in lines if "error" in d], next(d["error"] for d in lines if "error" in d)

@@ -1,5 +1,6 @@
 """Helpers for the engine-source tests: an in-memory sink, guarded imports of the
 optional engines, and a Kafka reader that decodes kvwire records."""
+
 from __future__ import annotations
 
 import importlib
@@ -97,11 +98,12 @@ def read_batches(bootstrap: str, topic: str, until, timeout: float = 90.0) -> li
 
     from aiokafka import AIOKafkaConsumer
 
-    from schemas.codec import decode
+    from kvwire.schemas.codec import decode
 
     async def run():
-        c = AIOKafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             enable_auto_commit=False, group_id=None)
+        c = AIOKafkaConsumer(
+            topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", enable_auto_commit=False, group_id=None
+        )
         await c.start()
         out = []
         try:
@@ -125,8 +127,9 @@ def h():
     """The helpers above, for test modules (tests/ has no packages to import them from)."""
     import types
 
-    return types.SimpleNamespace(require=require, free_port=free_port, wait_for=wait_for,
-                                 read_batches=read_batches, MemorySink=MemorySink)
+    return types.SimpleNamespace(
+        require=require, free_port=free_port, wait_for=wait_for, read_batches=read_batches, MemorySink=MemorySink
+    )
 
 
 LMCACHE_CHUNK = 16
@@ -142,14 +145,23 @@ def engine(h):
     from lmcache.v1.gpu_connector.mock_gpu_connector import MockGPUConnector
     from lmcache.v1.metadata import LMCacheMetadata
 
-    cfg = LMCacheEngineConfig.from_defaults(chunk_size=LMCACHE_CHUNK, local_cpu=True, max_local_cpu_size=0.05,
-                                            enable_kv_events=True)
+    cfg = LMCacheEngineConfig.from_defaults(
+        chunk_size=LMCACHE_CHUNK, local_cpu=True, max_local_cpu_size=0.05, enable_kv_events=True
+    )
     kv_shape = (2, 2, LMCACHE_CHUNK, 2, 8)
-    md = LMCacheMetadata(model_name="tiny", world_size=1, local_world_size=1, worker_id=0,
-                         local_worker_id=0, kv_dtype=torch.float16, kv_shape=kv_shape)
+    md = LMCacheMetadata(
+        model_name="tiny",
+        world_size=1,
+        local_world_size=1,
+        worker_id=0,
+        local_worker_id=0,
+        kv_dtype=torch.float16,
+        kv_shape=kv_shape,
+    )
     name = f"kvwire-{uuid.uuid4().hex[:8]}"
-    eng = LMCacheEngineBuilder.get_or_create(name, cfg, md, MockGPUConnector(kv_shape),
-                                             lambda *a: None, lambda *a: None)
+    eng = LMCacheEngineBuilder.get_or_create(
+        name, cfg, md, MockGPUConnector(kv_shape), lambda *a: None, lambda *a: None
+    )
     eng.post_init()
     yield eng
     LMCacheEngineBuilder.destroy(name)

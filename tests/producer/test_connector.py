@@ -7,6 +7,7 @@ get_kv_connector_kv_cache_events returns an LMCacheKVEvents). The real LMCacheCo
 is not used as the inner: its constructor builds LMCache's vLLM adapter, which needs a
 CUDA device and an initialised vLLM worker (paged KV caches registered from the GPU
 model runner); there is no GPU here. Nothing else is mocked."""
+
 from __future__ import annotations
 
 import inspect
@@ -28,6 +29,8 @@ def _base():
 try:  # the inner connector must be a module-level class so kvwire can load it by path
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorBase_V1 as _Base,
+    )
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
         KVConnectorWorkerMetadata as _WM,
     )
 except Exception:  # collected without vllm: the tests fail/skip through `h.require`
@@ -113,8 +116,12 @@ def vllm_config(opts, tp_size=1, dp_rank=0, rank=0):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
-    k = KVTransferConfig(kv_connector="KVWireConnector", kv_connector_module_path="producer.connector",
-                         kv_role="kv_both", kv_connector_extra_config={"kvwire": opts})
+    k = KVTransferConfig(
+        kv_connector="KVWireConnector",
+        kv_connector_module_path="kvwire.producer.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"kvwire": opts},
+    )
     pc = ParallelConfig()
     # Set after construction: validating a TP world would need that many devices.
     pc.tensor_parallel_size, pc.data_parallel_rank, pc.rank = tp_size, dp_rank, rank
@@ -122,9 +129,14 @@ def vllm_config(opts, tp_size=1, dp_rank=0, rank=0):
 
 
 def opts(**kw):
-    base = {"instance_id": "vllm-x", "inner_connector": "EmittingInner",
-            "inner_module_path": "test_connector", "forward_events_to_vllm": True,
-            "bootstrap_servers": "127.0.0.1:1", "topic": "unused"}
+    base = {
+        "instance_id": "vllm-x",
+        "inner_connector": "EmittingInner",
+        "inner_module_path": "test_connector",
+        "forward_events_to_vllm": True,
+        "bootstrap_servers": "127.0.0.1:1",
+        "topic": "unused",
+    }
     base.update(kw)
     return base
 
@@ -135,21 +147,30 @@ def vk(h):
     from vllm.distributed import kv_events
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    from producer.connector import KVWireConnector
+    from kvwire.producer.connector import KVWireConnector
 
     return SimpleNamespace(ev=kv_events, Role=KVConnectorRole, KVWireConnector=KVWireConnector)
 
 
 def stored_event(ev, i):
-    return ev.BlockStored(block_hashes=[BIG - i], parent_block_hash=None if i == 0 else BIG - i + 1,
-                          token_ids=list(range(16 * i, 16 * i + 16)), block_size=16, lora_id=None,
-                          medium="cpu", lora_name=None)
+    return ev.BlockStored(
+        block_hashes=[BIG - i],
+        parent_block_hash=None if i == 0 else BIG - i + 1,
+        token_ids=list(range(16 * i, 16 * i + 16)),
+        block_size=16,
+        lora_id=None,
+        medium="cpu",
+        lora_name=None,
+    )
 
 
 def test_every_base_method_is_explicitly_delegated(vk):
     base = _base()
-    names = {n for n, v in inspect.getmembers(base) if not n.startswith("__") and
-             (callable(v) or isinstance(inspect.getattr_static(base, n), property))}
+    names = {
+        n
+        for n, v in inspect.getmembers(base)
+        if not n.startswith("__") and (callable(v) or isinstance(inspect.getattr_static(base, n), property))
+    }
     missing = sorted(n for n in names if n not in vk.KVWireConnector.__dict__)
     assert missing == []
 
@@ -176,10 +197,21 @@ def test_calls_reach_the_inner_connector_unchanged(vk, sink):
     c.clear_connector_metadata()
     assert not inner.has_connector_metadata()
     assert c.shutdown() is None
-    assert {"start_load_kv", "wait_for_layer_load", "save_kv_layer", "wait_for_save",
-            "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-            "reset_cache", "get_finished", "take_events", "bind_connector_metadata",
-            "clear_connector_metadata", "shutdown"} <= set(inner.calls)
+    assert {
+        "start_load_kv",
+        "wait_for_layer_load",
+        "save_kv_layer",
+        "wait_for_save",
+        "get_num_new_matched_tokens",
+        "update_state_after_alloc",
+        "build_connector_meta",
+        "reset_cache",
+        "get_finished",
+        "take_events",
+        "bind_connector_metadata",
+        "clear_connector_metadata",
+        "shutdown",
+    } <= set(inner.calls)
     assert vk.KVWireConnector.requires_piecewise_for_cudagraph({"kvwire": opts()}) is False
 
 
@@ -222,7 +254,7 @@ def test_publishing_never_raises_into_the_engine(vk):
 
 
 def test_worker_identity_from_parallel_config(vk):
-    from producer.connector import worker_identity
+    from kvwire.producer.connector import worker_identity
 
     w = worker_identity(vllm_config(opts(), tp_size=4, dp_rank=2, rank=6), "inst", "m")
     assert (w.instance_id, w.dp_rank, w.tp_rank, w.tp_size, w.model) == ("inst", 2, 2, 4, "m")
@@ -236,8 +268,9 @@ def test_scheduler_role_starts_no_publisher(vk):
 @pytest.mark.integration
 def test_connector_to_kafka(vk, h, kafka_bootstrap, topic_name):
     """The production path: WORKER role builds its own KafkaPublisher from kvwire options."""
-    cfg = vllm_config(opts(bootstrap_servers=kafka_bootstrap, topic=topic_name, partitions=1,
-                           model="tiny"), tp_size=2, rank=1)
+    cfg = vllm_config(
+        opts(bootstrap_servers=kafka_bootstrap, topic=topic_name, partitions=1, model="tiny"), tp_size=2, rank=1
+    )
     c = vk.KVWireConnector(cfg, vk.Role.WORKER, None)
     assert c._stream is not None, c.last_error
     sent = [stored_event(vk.ev, i) for i in range(4)]
@@ -251,7 +284,7 @@ def test_connector_to_kafka(vk, h, kafka_bootstrap, topic_name):
     assert batches[0].reset and sum(b.gap for b in batches) == 0
     w = batches[0].worker
     assert (w.instance_id, w.dp_rank, w.tp_rank, w.tp_size, w.model) == ("vllm-x", 0, 1, 2, "tiny")
-    from producer.vllm_wire import event_from_object
+    from kvwire.producer.vllm_wire import event_from_object
 
     assert [e for b in batches for e in b.events] == [event_from_object(e) for e in sent]
     assert c.publish_errors == 0 and c.published_events == 4

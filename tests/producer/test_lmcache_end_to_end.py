@@ -10,16 +10,16 @@ import random
 
 import pytest
 
-from consumer.ingest import IndexMember, IngestConfig
-from producer.lmcache_source import LMCacheSource
-from schemas.events import WorkerId
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.producer.lmcache_source import LMCacheSource
+from kvwire.schemas.events import WorkerId
 
 pytestmark = [pytest.mark.lmcache, pytest.mark.integration]
 
 
 async def test_index_score_equals_lmcache_lookup(h, engine, kafka_bootstrap, new_topic):
     torch = h.require("torch")
-    from producer.publisher import KafkaPublisher, PublisherConfig
+    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 
     topic = new_topic(partitions=2)
     rng = random.Random(7)
@@ -55,8 +55,16 @@ async def test_index_score_equals_lmcache_lookup(h, engine, kafka_bootstrap, new
                 break
             await asyncio.sleep(0.1)
         assert member.ready
-        queries = prompts + [grown, grown[:77], prompts[1][:50], shared, shared[:20], prompts[2] + [1, 2, 3] * 20,
-                             [rng.randrange(30000) for _ in range(80)], prompts[3][:32] + prompts[0][32:64]]
+        queries = prompts + [
+            grown,
+            grown[:77],
+            prompts[1][:50],
+            shared,
+            shared[:20],
+            prompts[2] + [1, 2, 3] * 20,
+            [rng.randrange(30000) for _ in range(80)],
+            prompts[3][:32] + prompts[0][32:64],
+        ]
         checked = 0
         for q in queries:
             want = engine.lookup(torch.tensor(q, dtype=torch.long))

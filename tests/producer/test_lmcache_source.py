@@ -1,13 +1,14 @@
 """LMCache source against a REAL LMCacheEngine on CPU: real config, metadata, token
 database, CPU storage backend and torch tensors. Only the GPU is mocked: LMCache's own
 MockGPUConnector stands in for the paged-GPU copy (there is no GPU here)."""
+
 from __future__ import annotations
 
 import pytest
 
-from producer.lmcache_source import UNKNOWN_PARENT, LMCacheRepair, LMCacheSource, engine_chunk_hasher
-from producer.vllm_wire import event_from_object
-from schemas.events import WorkerId
+from kvwire.producer.lmcache_source import UNKNOWN_PARENT, LMCacheRepair, LMCacheSource, engine_chunk_hasher
+from kvwire.producer.vllm_wire import event_from_object
+from kvwire.schemas.events import WorkerId
 
 pytestmark = pytest.mark.lmcache
 CHUNK = 16
@@ -93,7 +94,7 @@ def test_threaded_polling_flushes_on_stop(h, engine, sink):
 @pytest.mark.integration
 def test_lmcache_events_through_real_publisher_and_kafka(h, engine, kafka_bootstrap, topic_name):
     torch = h.require("torch")
-    from producer.publisher import KafkaPublisher, PublisherConfig
+    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 
     tap = Tap(engine)
     pub = KafkaPublisher(PublisherConfig(bootstrap_servers=kafka_bootstrap, topic=topic_name, partitions=1))
@@ -107,8 +108,7 @@ def test_lmcache_events_through_real_publisher_and_kafka(h, engine, kafka_bootst
         pub.close()
     want = LMCacheRepair(engine_chunk_hasher(engine)).convert(tap.raw)
     assert len(tap.raw) == 5
-    recs = h.read_batches(kafka_bootstrap, topic_name,
-                          lambda bs: sum(len(b.events) for b in bs) >= len(want))
+    recs = h.read_batches(kafka_bootstrap, topic_name, lambda bs: sum(len(b.events) for b in bs) >= len(want))
     batches = [b for _, b in recs]
     assert batches[0].reset and all(b.worker == worker for b in batches)
     assert sum(b.gap for b in batches) == 0

@@ -8,7 +8,7 @@ import pytest
 from aiokafka.partitioner import DefaultPartitioner
 from aiokafka.partitioner import murmur2 as aiokafka_murmur2
 
-from producer.partitioner import default_partition, murmur2
+from kvwire.producer.partitioner import default_partition, murmur2
 
 # org.apache.kafka.common.utils.UtilsTest#testMurmur2
 JAVA_VECTORS = {

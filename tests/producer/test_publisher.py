@@ -11,10 +11,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
-from producer.partitioner import default_partition
-from producer.publisher import KafkaPublisher, PublisherConfig
-from schemas.codec import CONTENT_TYPE, CURRENT, decode
-from schemas.events import AllBlocksCleared, BlockRemoved, WorkerId, stored
+from kvwire.producer.partitioner import default_partition
+from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, decode
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, WorkerId, stored
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +30,7 @@ def fresh_topic() -> str:
 
 async def read_all(bootstrap: str, topic: str, partitions: int) -> list:
     """Every record of the topic: (partition, offset, headers, EventBatch), by partition/offset."""
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False,
-                         auto_offset_reset="earliest")
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
     await c.start()
     try:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
@@ -94,10 +93,13 @@ async def test_explicit_partition_order_reset_headers(kafka_bootstrap):
     recs = await read_all(kafka_bootstrap, topic, 4)
     assert {p for p, *_ in recs} == {2}
     for _p, _o, headers, _b in recs:
-        assert headers == {"content-type": CONTENT_TYPE.encode(), "schema": CURRENT.name.encode(),
-                           "fingerprint": CURRENT.fingerprint_hex.encode()}
+        assert headers == {
+            "content-type": CONTENT_TYPE.encode(),
+            "schema": CURRENT.name.encode(),
+            "fingerprint": CURRENT.fingerprint_hex.encode(),
+        }
     ranks = by_rank(recs)
-    for s, w in zip(streams, workers):
+    for s, w in zip(streams, workers, strict=False):
         batches = [b for _, b in ranks[w.rank]]
         check_stream(batches)
         assert batches[0].events == () and batches[0].epoch == s.epoch  # the epoch announcement
@@ -196,7 +198,11 @@ async def test_publish_never_raises_on_garbage(kafka_bootstrap):
             raise RuntimeError("boom")
 
     garbage = [
-        (None, None), (5, None), (Exploding(), None), ([1, 2], None), ("abc", None),
+        (None, None),
+        (5, None),
+        (Exploding(), None),
+        ([1, 2], None),
+        ("abc", None),
         (one_block(1), "not-a-float"),
         ([stored([-1, 1 << 64], [0] * 32, 16)], None),  # hashes fit neither int64 nor uint64
         ([BlockRemoved(("mixed", 1))], None),
@@ -233,8 +239,11 @@ def test_close_with_no_broker_returns_and_counts():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # closed once the with-block ends: nothing listens
-    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=f"127.0.0.1:{port}", topic="nowhere",
-                                         retry_backoff_s=0.05, unreachable_timeout_s=0.3))
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=f"127.0.0.1:{port}", topic="nowhere", retry_backoff_s=0.05, unreachable_timeout_s=0.3
+        )
+    )
     s = pub.stream(WorkerId("lonely", 0))
     assert s.publish(one_block(1)) is True
     wait_for(lambda: pub.unreachable, what="unreachable")

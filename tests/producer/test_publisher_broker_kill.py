@@ -12,16 +12,13 @@ import shutil
 import threading
 
 import pytest
-
-from producer.publisher import KafkaPublisher, PublisherConfig
-from schemas.events import WorkerId
-
-from test_publisher import by_rank, check_stream, one_block, read_all, wait_for
 from kafka_admin import free_port_pair
+from test_publisher import by_rank, check_stream, one_block, read_all, wait_for
+
+from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+from kvwire.schemas.events import WorkerId
 
 pytestmark = pytest.mark.integration
-
-
 
 
 async def test_broker_killed_and_restarted_mid_stream(tmp_path):
@@ -36,9 +33,17 @@ async def test_broker_killed_and_restarted_mid_stream(tmp_path):
     topic = "kill-test"
     pub = None
     try:
-        pub = KafkaPublisher(PublisherConfig(
-            bootstrap_servers=bootstrap, topic=topic, partitions=2, queue_size=300,
-            unreachable_timeout_s=2.0, retry_backoff_s=0.1, heartbeat_interval_s=3600))
+        pub = KafkaPublisher(
+            PublisherConfig(
+                bootstrap_servers=bootstrap,
+                topic=topic,
+                partitions=2,
+                queue_size=300,
+                unreachable_timeout_s=2.0,
+                retry_backoff_s=0.1,
+                heartbeat_interval_s=3600,
+            )
+        )
         workers = [WorkerId("kill-a", 0), WorkerId("kill-b", 1)]
         streams = [pub.stream(w) for w in workers]
         results: list[list[tuple[int, bool]]] = [[] for _ in streams]
@@ -47,15 +52,16 @@ async def test_broker_killed_and_restarted_mid_stream(tmp_path):
         def engine() -> None:
             i = 0
             while not stop.is_set():
-                for s, out in zip(streams, results):
+                for s, out in zip(streams, results, strict=False):
                     out.append((i, s.publish(one_block(i))))
                 i += 1
                 stop.wait(0.001)
 
         t = threading.Thread(target=engine, daemon=True)
         t.start()
-        await asyncio.to_thread(wait_for, lambda: min(s.stats().acked for s in streams) >= 300,
-                                60, "traffic before the kill")
+        await asyncio.to_thread(
+            wait_for, lambda: min(s.stats().acked for s in streams) >= 300, 60, "traffic before the kill"
+        )
         await asyncio.to_thread(kafka.kill)
         # Hold the outage until the buffer overflowed and the cluster was declared unreachable,
         # so both ways of dropping are exercised.
@@ -64,14 +70,17 @@ async def test_broker_killed_and_restarted_mid_stream(tmp_path):
         await asyncio.to_thread(wait_for, lambda: not pub.unreachable, 120, "recovery")
         mark = [len(r) for r in results]
         await asyncio.to_thread(
-            wait_for, lambda: all(sum(ok for _, ok in r[m:]) >= 200 for r, m in zip(results, mark)),
-            60, "traffic after the restart")
+            wait_for,
+            lambda: all(sum(ok for _, ok in r[m:]) >= 200 for r, m in zip(results, mark, strict=False)),
+            60,
+            "traffic after the restart",
+        )
         stop.set()
         t.join()
         pub.close(timeout=60)
 
         ranks = by_rank(await read_all(bootstrap, topic, 2))
-        for s, w, res in zip(streams, workers, results):
+        for s, w, res in zip(streams, workers, results, strict=False):
             batches = [b for _, b in ranks[w.rank]]
             check_stream(batches)
             accepted = [i for i, ok in res if ok]

@@ -6,9 +6,9 @@ from collections import defaultdict
 
 import pytest
 
-from producer.simulator import SimConfig, Simulator
-from schemas.codec import decode, encode
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
+from kvwire.producer.simulator import SimConfig, Simulator
+from kvwire.schemas.codec import decode, encode
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
 
 
 class Oracle:
@@ -80,7 +80,7 @@ def test_tp_ranks_emit_identical_events():
 
 
 def test_engine_hashes_look_like_vllm_and_encode():
-    sim, oracle = run(steps=300)
+    _sim, oracle = run(steps=300)
     hashes = [h for _, evs in oracle.log for e in evs if isinstance(e, BlockStored) for h in e.block_hashes]
     assert all(0 <= h < 1 << 64 for h in hashes)
     assert any(h >= 1 << 63 for h in hashes), "vLLM's unsigned u64 hashes are often >= 2^63"

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from schemas import codec
-from schemas.codec import DecodeError, EncodeError, decode, encode
-from schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId, stored
+from kvwire.schemas import codec
+from kvwire.schemas.codec import DecodeError, EncodeError, decode, encode
+from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId, stored
 
 U64 = st.integers(0, 2**64 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)
@@ -216,7 +216,10 @@ def _zigzag(n: int) -> bytes:
 def test_gigabyte_length_claims_fail_fast_without_allocating():
     header = codec.CURRENT.header
     # worker.instance_id claims 2^40 bytes; an events array claims 2^60 items
-    for body in (_zigzag(1 << 40) + b"abc", _zigzag(1) + b"a" + _zigzag(0) * 4 + _zigzag(1) + b"\x00" * 20 + _zigzag(1 << 60)):
+    for body in (
+        _zigzag(1 << 40) + b"abc",
+        _zigzag(1) + b"a" + _zigzag(0) * 4 + _zigzag(1) + b"\x00" * 20 + _zigzag(1 << 60),
+    ):
         with pytest.raises(DecodeError):
             decode(header + body)
 
