@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from ci_env import need_java_and_mvn
 from kafka_admin import free_port_pair
 
 pytestmark = pytest.mark.integration
@@ -119,9 +119,7 @@ async def test_committed_offsets_survive_consumer_restart(kafka_bootstrap, new_t
 
 
 def _need_toolchain() -> None:
-    if not (shutil.which("java") and shutil.which("mvn")):
-        msg = "java and mvn are needed to run the local broker"
-        pytest.fail(msg) if os.environ.get("CI", "").lower() == "true" else pytest.skip(msg)
+    need_java_and_mvn("the local broker")
 
 
 def test_cli_start_is_idempotent():

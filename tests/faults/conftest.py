@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from ci_env import in_ci, unavailable
 
 from kvwire.broker.probe import run_sync
 
@@ -22,10 +23,6 @@ PASSWORD = "pw-" + os.urandom(12).hex()
 ADMIN_USER = "kvwire-broker"
 ADMIN_PASSWORD = "adm-" + os.urandom(12).hex()
 MECH = "SCRAM-SHA-256"
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 @dataclass(frozen=True)
@@ -189,10 +186,8 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory):
     except Exception as e:
         kafka.stop()
         reason = f"SASL broker could not start: {e}"
-        if _in_ci():
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
-    if tls_error is not None and _in_ci():
+        unavailable(reason)
+    if tls_error is not None and in_ci():
         kafka.stop()
         pytest.fail(f"TLS keystore could not be made: {tls_error}", pytrace=False)
     try:

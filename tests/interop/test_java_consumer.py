@@ -19,6 +19,7 @@ from array import array
 from pathlib import Path
 
 import pytest
+from ci_env import unavailable
 
 from kvwire.schemas.codec import CONTENT_TYPE, VERSIONS, encode
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
@@ -32,16 +33,6 @@ CLASSPATH = f"{JAR}{os.pathsep}{HERE / 'target' / 'lib' / '*'}"
 MAIN = "dev.kvwire.interop.ConsumeAndDecode"
 
 
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
-
-
-def _unavailable(reason: str):
-    if _in_ci():
-        pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
-
-
 def _stale() -> bool:
     if not JAR.exists() or not (HERE / "target" / "lib").is_dir():
         return True
@@ -53,13 +44,13 @@ def _stale() -> bool:
 def interop_jar() -> Path:
     for tool in ("java", "mvn"):
         if shutil.which(tool) is None:
-            _unavailable(f"{tool} not on PATH: the Java interop check needs a JDK 17+ and Maven")
+            unavailable(f"{tool} not on PATH: the Java interop check needs a JDK 17+ and Maven")
     if _stale():
         proc = subprocess.run(
             ["mvn", "-q", "-B", "-f", str(HERE / "pom.xml"), "package"], capture_output=True, text=True, timeout=900
         )
         if proc.returncode != 0:
-            _unavailable(f"mvn package failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+            unavailable(f"mvn package failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return JAR
 
 

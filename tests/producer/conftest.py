@@ -4,7 +4,6 @@ optional engines, and a Kafka reader that decodes kvwire records."""
 from __future__ import annotations
 
 import importlib
-import os
 import socket
 import threading
 import time
@@ -12,10 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import pytest
-
-
-def _in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+from ci_env import unavailable
 
 
 def require(module: str):
@@ -23,9 +19,7 @@ def require(module: str):
     try:
         return importlib.import_module(module)
     except Exception as e:
-        if _in_ci():
-            pytest.fail(f"{module} must be installed under CI: {e}", pytrace=False)
-        pytest.skip(f"{module} not installed: {e}")
+        unavailable(f"{module} is not installed (CI installs it): {e}")
 
 
 @dataclass

@@ -7,11 +7,10 @@ refused is owned up to by the gaps of later records, one for one."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 import threading
 
 import pytest
+from ci_env import need_java_and_mvn
 from kafka_admin import free_port_pair
 from test_publisher import by_rank, check_stream, one_block, read_all, wait_for
 
@@ -22,10 +21,7 @@ pytestmark = pytest.mark.integration
 
 
 async def test_broker_killed_and_restarted_mid_stream(tmp_path):
-    if not (shutil.which("java") and shutil.which("mvn")):
-        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
-            pytest.fail("a private broker needs java and mvn (CI has them)", pytrace=False)
-        pytest.skip("a private broker needs java and mvn")
+    need_java_and_mvn()
     from kvwire.broker import LocalKafka
 
     kafka = LocalKafka(tmp_path / "kafka", free_port_pair())

@@ -1,0 +1,28 @@
+"""The one rule for "are we in CI?" and what a missing prerequisite does there.
+
+Under CI=true every prerequisite (broker, engines, java, a container engine) is installed by
+.ci/run, so a missing one is a broken CI and FAILS; locally it skips, with the reason."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import NoReturn
+
+import pytest
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+
+
+def unavailable(reason: str) -> NoReturn:
+    """Fail under CI, skip elsewhere."""
+    if in_ci():
+        pytest.fail(reason, pytrace=False)
+    pytest.skip(reason)
+
+
+def need_java_and_mvn(what: str = "a private broker") -> None:
+    if not (shutil.which("java") and shutil.which("mvn")):
+        unavailable(f"{what} needs java and mvn (CI has them)")
