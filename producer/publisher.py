@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, encode
 from kvwire.schemas.events import EventBatch, KVEvent, WorkerId
@@ -57,6 +58,19 @@ class _Epoch:
         self.id = _new_epoch_id()
         # Losses before the epoch began are moot: the reset record replaces the rank's state.
         self.base_lost = base_lost
+
+
+class QueueItem(NamedTuple):
+    """One batch waiting for the pump. Built on the engine thread under the stream's lock."""
+
+    stream: RankStream
+    events: tuple[KVEvent, ...]
+    engine_ts: float | None
+    ts_us: int
+    epoch: _Epoch
+    # The stream's upstream-loss count when this item was queued: losses counted after it
+    # belong to the gap of a later record.
+    lost_snap: int
 
 
 @dataclass(frozen=True)
@@ -136,16 +150,14 @@ class RankStream:
                 self._drop_garbage(events)
                 return False
             with self._lock:
-                if not pub._accepting or len(pub._q) >= pub._cap:
+                if not pub.offer(QueueItem(self, events, engine_ts, ts, self._epoch, self._lost), bounded=True):
                     self._lost += 1
                     self.dropped += 1
                     return False
                 self._last_ts_us = ts
                 self.published += 1
                 self._enq += 1
-                pub._q.append((self, events, engine_ts, ts, self._epoch, self._lost))
-            if pub._idle:
-                pub._wake()
+            pub.wake_if_idle()
             return True
         except Exception:  # the engine thread must never see our bugs
             log.exception("publish() failed internally; batch dropped")
@@ -177,13 +189,12 @@ class RankStream:
             ts = time.time_ns() // 1000
             with self._lock:
                 self._epoch = ep = _Epoch(self._lost)
-                if not pub._closing:
-                    # Past the bound on purpose: one per restart, and the reset record is what
-                    # tells consumers to drop the old incarnation's blocks.
+                # Past the bound on purpose: one per restart, and the reset record is what
+                # tells consumers to drop the old incarnation's blocks.
+                if pub.offer(QueueItem(self, (), None, ts, ep, self._lost), bounded=False):
                     self._enq += 1
                     self._last_ts_us = ts
-                    pub._q.append((self, (), None, ts, ep, self._lost))
-            pub._wake()
+            pub.wake()
             return ep.id
         except Exception:
             log.exception("new_epoch() failed internally")
@@ -200,6 +211,77 @@ class RankStream:
                 self.gaps_reported += n
         except Exception:
             log.warning("report_gap(%r) ignored: not a count", n)
+
+    # ------------------------------------------------ called by the publisher's loop thread
+
+    def enqueue_empty(self, now_us: int, *, lost_snap: int | None = None) -> None:
+        """Queue a record with no events (epoch announcement or heartbeat), past the bound."""
+        with self._lock:
+            snap = self._lost if lost_snap is None else lost_snap
+            if self._pub.offer(QueueItem(self, (), None, now_us, self._epoch, snap), bounded=False):
+                self._enq += 1
+                self._last_ts_us = now_us
+
+    def heartbeat_due(self, now_us: int, interval_us: int) -> bool:
+        """Silent for an interval and nothing of ours still queued."""
+        return now_us - self._last_ts_us >= interval_us and self._enq == self._taken
+
+    def next_record(self, item: QueueItem) -> EventBatch:
+        """Number the item: a new epoch restarts seq at 0 and owes a reset; the gap is every
+        loss since the last record actually sent."""
+        epoch = item.epoch
+        if epoch is not self._sent_epoch:
+            self._sent_epoch = epoch
+            self._next_seq = 0
+            self._accounted = epoch.base_lost
+            self._carry = 0
+            self._reset_due = True
+        gap = item.lost_snap - self._accounted + self._carry
+        return EventBatch(
+            self.worker,
+            epoch.id,
+            self._next_seq,
+            item.ts_us,
+            item.events,
+            item.engine_ts,
+            self._reset_due,
+            gap,
+            self.source,
+        )
+
+    def spent(self, item: QueueItem, batch: EventBatch) -> None:
+        """The record went to the producer: its seq is used and its gap delivered."""
+        self._next_seq += 1
+        self._reset_due = False
+        self._accounted = item.lost_snap
+        self._carry = 0
+        self.sent += 1
+        self.gap_sent += batch.gap
+
+    def lose(self, item: QueueItem, gap: int, why: str) -> None:
+        # The record's own loss plus the gap it would have carried move to the next record;
+        # seq and the reset flag are not spent, so seq stays contiguous.
+        self.lost += 1
+        self._accounted = item.lost_snap
+        self._carry = gap + 1
+        log.warning("%s: batch lost: %s", self.worker.rank, why)
+
+    def taken(self, *, lost: bool = False) -> None:
+        """The pump is done with one queued item (lost: it will never be sent)."""
+        self._taken += 1
+        if lost:
+            self.lost += 1
+
+    def delivery_failed(self) -> None:
+        # A non-retriable broker error after later records may already be out: a seq hole,
+        # which the next record's gap also owns up to.
+        self.failed += 1
+        self._carry += 1
+
+    def partition(self, num_partitions: int, fixed: int | None) -> int:
+        if self._partition is None:
+            self._partition = fixed if fixed is not None else default_partition(self.key, num_partitions)
+        return self._partition
 
     def stats(self) -> StreamStats:
         return StreamStats(
@@ -230,7 +312,7 @@ class KafkaPublisher:
     ) -> None:
         self.config = cfg = config or PublisherConfig()
         self._on_ack = on_ack
-        self._q: collections.deque = collections.deque()
+        self._q: collections.deque[QueueItem] = collections.deque()
         self._cap = cfg.queue_size
         self._streams: list[RankStream] = []
         self._accepting = True
@@ -262,12 +344,8 @@ class KafkaPublisher:
             self._streams.append(st)
         # Announce the epoch at once: consumers drop what this rank held before, even if the
         # engine stays idle.
-        ep = st._epoch
-        with st._lock:
-            st._enq += 1
-            st._last_ts_us = time.time_ns() // 1000
-            self._q.append((st, (), None, st._last_ts_us, ep, 0))
-        self._wake()
+        st.enqueue_empty(time.time_ns() // 1000, lost_snap=0)
+        self.wake()
         return st
 
     def stats(self) -> list[StreamStats]:
@@ -304,9 +382,21 @@ class KafkaPublisher:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    # ---------------------------------------------------------------- loop thread
+    # ------------------------------------------------ called by RankStream (any thread)
 
-    def _wake(self) -> None:
+    def offer(self, item: QueueItem, *, bounded: bool) -> bool:
+        """Queue an item unless the publisher is closing or, when bounded, full or unreachable.
+        Callers hold the item's stream lock, so the item's lost_snap is consistent."""
+        if self._closing or (bounded and (not self._accepting or len(self._q) >= self._cap)):
+            return False
+        self._q.append(item)
+        return True
+
+    def wake_if_idle(self) -> None:
+        if self._idle:
+            self.wake()
+
+    def wake(self) -> None:
         self._idle = False
         ev = self._wake_ev
         if ev is not None:
@@ -382,28 +472,18 @@ class KafkaPublisher:
                 await asyncio.sleep(cfg.retry_backoff_s)
 
     async def _ensure_topic(self) -> None:
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+        from kvwire.topics import Replication, ensure_topic
 
         cfg = self.config
-        opts = {
-            k: v
-            for k, v in cfg.client_options.items()
-            if k.startswith(("security_", "sasl_", "ssl_")) or k in ("client_id",)
-        }
-        admin = AIOKafkaAdminClient(bootstrap_servers=cfg.bootstrap_servers, **opts)
-        await admin.start()
-        try:
-            if cfg.topic in await admin.list_topics():
-                return
-            resp = await admin.create_topics(
-                [NewTopic(cfg.topic, cfg.partitions, cfg.replication_factor)], timeout_ms=30000
-            )
-            # create_topics reports errors in the response; 36 = TOPIC_ALREADY_EXISTS (a race).
-            for t in resp.topic_errors:
-                if t[1] not in (0, 36):
-                    raise RuntimeError(f"create_topics({cfg.topic}) failed: error {t[1]} {t[2:]}")
-        finally:
-            await admin.close()
+        await ensure_topic(
+            cfg.bootstrap_servers,
+            cfg.topic,
+            cfg.partitions,
+            replication=Replication.from_env(
+                replication_factor=cfg.replication_factor, min_insync_replicas=cfg.min_insync_replicas
+            ),
+            client_options=cfg.client_options,
+        )
 
     async def _pump(self) -> None:
         await self._start_producer()
@@ -435,46 +515,29 @@ class KafkaPublisher:
             item = q[0]
             await self._send_item(item)
             q.popleft()
-            item[0]._taken += 1
+            item.stream.taken()
 
-    async def _send_item(self, item: tuple) -> None:
-        st, events, engine_ts, ts_us, epoch, lost_snap = item
-        if epoch is not st._sent_epoch:
-            st._sent_epoch = epoch
-            st._next_seq = 0
-            st._accounted = epoch.base_lost
-            st._carry = 0
-            st._reset_due = True
-        gap = lost_snap - st._accounted + st._carry
+    async def _send_item(self, item: QueueItem) -> None:
+        st = item.stream
+        batch = st.next_record(item)
         try:
-            value = encode(
-                EventBatch(st.worker, epoch.id, st._next_seq, ts_us, events, engine_ts, st._reset_due, gap, st.source)
-            )
+            value = encode(batch)
             if len(value) > _MAX_RECORD:
                 raise ValueError(f"record of {len(value)} bytes exceeds {_MAX_RECORD}")
         except Exception as e:
-            self._lose(st, lost_snap, gap, f"unencodable batch ({type(e).__name__}: {e})")
+            st.lose(item, batch.gap, f"unencodable batch ({type(e).__name__}: {e})")
             return
-        if st._partition is None:
-            cfg = self.config
-            st._partition = (
-                cfg.partition if cfg.partition is not None else default_partition(st.key, self._num_partitions)
-            )
-        fut = await self._append(value, st, ts_us)
+        assert self._num_partitions is not None  # set before the pump runs
+        partition = st.partition(self._num_partitions, self.config.partition)
+        fut = await self._append(value, st, partition, item.ts_us)
         if fut is None:
-            self._lose(st, lost_snap, gap, "producer refused the record")
+            st.lose(item, batch.gap, "producer refused the record")
             return
-        seq = st._next_seq
-        st._next_seq += 1
-        st._reset_due = False
-        st._accounted = lost_snap
-        st._carry = 0
-        st.sent += 1
-        st.gap_sent += gap
+        st.spent(item, batch)
         self._unacked += 1
-        fut.add_done_callback(lambda f, st=st, e=epoch.id, s=seq, g=gap: self._delivered(f, st, e, s, g))
+        fut.add_done_callback(lambda f, st=st, e=batch.epoch, s=batch.seq, g=batch.gap: self._delivered(f, st, e, s, g))
 
-    async def _append(self, value: bytes, st: RankStream, ts_us: int):
+    async def _append(self, value: bytes, st: RankStream, partition: int, ts_us: int) -> asyncio.Future | None:
         """Appends to the producer; retries what is retriable until close() gives up on it."""
         from aiokafka.errors import KafkaError, KafkaTimeoutError
 
@@ -482,7 +545,7 @@ class KafkaPublisher:
         while True:
             try:
                 return await self._producer.send(
-                    cfg.topic, value, key=st.key, partition=st._partition, timestamp_ms=ts_us // 1000, headers=HEADERS
+                    cfg.topic, value, key=st.key, partition=partition, timestamp_ms=ts_us // 1000, headers=HEADERS
                 )
             except (KafkaTimeoutError, KafkaError) as e:
                 if not (isinstance(e, KafkaTimeoutError) or getattr(e, "retriable", False)):
@@ -495,22 +558,12 @@ class KafkaPublisher:
                 log.error("%s: record refused: %s: %s", st.worker.rank, type(e).__name__, e)
                 return None
 
-    def _lose(self, st: RankStream, lost_snap: int, gap: int, why: str) -> None:
-        # The record's own loss plus the gap it would have carried move to the next record;
-        # seq and the reset flag are not spent, so seq stays contiguous.
-        st.lost += 1
-        st._accounted = lost_snap
-        st._carry = gap + 1
-        log.warning("%s: batch lost: %s", st.worker.rank, why)
-
     def _delivered(self, fut: asyncio.Future, st: RankStream, epoch: int, seq: int, gap: int) -> None:
         self._unacked -= 1
         if fut.cancelled() or fut.exception() is not None:
             # Only non-retriable broker errors get here (idempotent batches never expire while a
-            # leader is known). Later records may already be out: a seq hole, which the next
-            # record's gap also owns up to.
-            st.failed += 1
-            st._carry += 1
+            # leader is known).
+            st.delivery_failed()
             log.error(
                 "%s: record epoch=%d seq=%d failed: %r",
                 st.worker.rank,
@@ -538,13 +591,9 @@ class KafkaPublisher:
             now = time.time_ns() // 1000
             added = False
             for st in list(self._streams):
-                if now - st._last_ts_us < interval_us or st._enq != st._taken:
-                    continue
-                with st._lock:
-                    st._enq += 1
-                    st._last_ts_us = now
-                    self._q.append((st, (), None, now, st._epoch, st._lost))
-                added = True
+                if st.heartbeat_due(now, interval_us):
+                    st.enqueue_empty(now)
+                    added = True
             if added:
                 self._wake_ev.set()
 
@@ -583,16 +632,17 @@ class KafkaPublisher:
             await asyncio.gather(pump, return_exceptions=True)
         # Whatever is still queued could not be sent in time: count it, there is no next record.
         while self._q:
-            st = self._q.popleft()[0]
-            st._taken += 1
-            st.lost += 1
+            self._q.popleft().stream.taken(lost=True)
         producer = self._producer
         if producer is not None:
             try:
                 await asyncio.wait_for(producer.flush(), remaining())
             except (TimeoutError, Exception):
                 log.error("close(): %d records unacknowledged at the deadline", self._unacked)
-                # aiokafka's stop() waits for every pending batch forever; fail them instead.
+                # aiokafka's stop() waits for every pending batch forever and offers no public
+                # way to abandon them (AIOKafkaProducer has no close(timeout) like the Java
+                # client), so close()'s deadline can only be kept by failing the accumulator's
+                # batches directly. Pinned aiokafka versions keep this attribute.
                 from aiokafka.errors import KafkaTimeoutError
 
                 producer._message_accumulator.fail_all(KafkaTimeoutError())
