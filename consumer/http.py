@@ -3,8 +3,9 @@
 ``POST /v1/score``   {"token_ids": [...], "lora_name": null} -> scores, best first
 ``GET  /v1/workers`` per worker: blocks, epochs, last seqs, trust, last seen
 ``GET  /v1/digest``  order-independent digest of the index (replay checks)
-``GET  /healthz``    200 once caught up with the end offsets seen at start, else 503
+``GET  /healthz``    200 once caught up with the end offsets seen at start and healthy, else 503
 ``GET  /metrics``    Prometheus
+``GET  /openapi.json`` the OpenAPI document of all of the above (``kvwire.consumer.openapi``)
 
 With ``peers`` (members of the same group, each holding other partitions) a
 score is scattered to every peer with ``"local": true`` and the answers are
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Annotated
 
@@ -91,7 +93,10 @@ def make_app(
     max_tokens: int = DEFAULT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY,
     peer_timeout_s: float = 2.0,
+    health: Callable[[], str | None] | None = None,
 ) -> web.Application:
+    """``health()`` returns why the member is unhealthy (None while healthy): /healthz then
+    answers 503 with the reason even when caught up."""
     peers = [p.rstrip("/") for p in (peers or [])]
     app = web.Application(client_max_size=max_body_bytes)
     session: dict[str, aiohttp.ClientSession] = {}
@@ -109,6 +114,14 @@ def make_app(
             return _error(400, f"invalid JSON: {e}")
         if len(req.token_ids) > max_tokens:
             return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+        t0 = time.perf_counter()
+        try:
+            return await _score(req)
+        finally:
+            scope = "local" if req.local or not peers else "scatter"
+            applier.metrics.score_latency.labels(scope).observe(time.perf_counter() - t0)
+
+    async def _score(req: ScoreRequest) -> web.Response:
         local = _scores_json(applier.score(req.token_ids, lora_name=req.lora_name, block_size=req.block_size))[
             : req.limit
         ]
@@ -164,8 +177,20 @@ def make_app(
 
     async def healthz(request: web.Request) -> web.Response:
         ok = ready()
+        failure = health() if health is not None else None
+        body: dict = {"ready": ok, "healthy": failure is None}
+        if failure is not None:
+            body["failure"] = failure
         return web.Response(
-            status=200 if ok else 503, body=_json.encode({"ready": ok}), content_type="application/json"
+            status=200 if ok and failure is None else 503, body=_json.encode(body), content_type="application/json"
+        )
+
+    async def openapi(request: web.Request) -> web.Response:
+        from .openapi import document
+
+        return web.Response(
+            body=_json.encode(document(max_tokens=max_tokens, max_results=MAX_RESULTS)),
+            content_type="application/json",
         )
 
     async def metrics(request: web.Request) -> web.Response:
@@ -180,6 +205,7 @@ def make_app(
     app.router.add_get("/v1/digest", digest)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
     app.on_cleanup.append(close_session)
     return app
 

@@ -11,6 +11,12 @@ snapshot when a snapshot store is configured, else from the beginning), so a
 member that restarts or takes over a partition converges to the same index.
 Offsets are committed only after the records before them are applied, and
 dead letters are written before the commit that passes them.
+
+Supervision: the member never freezes silently. Snapshots are written by their own task,
+so a slow or failing store never stops ingest; a failed snapshot is retried with exponential
+backoff, and after ``snapshot_failure_limit`` failures in a row (or if the ingest task
+itself ends) ``failure`` says why, ``/healthz`` answers 503, ``kvwire_index_failed{reason}``
+is 1, and ``kvwire index`` exits non-zero so that an orchestrator restarts it.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
@@ -29,6 +36,18 @@ from aiokafka.structs import OffsetAndMetadata
 from .apply import Applier, DeadLetter
 
 log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_PREFIX = "kvwire-index"
+
+
+def default_group_id(topic: str, http_port: int | None = None, host: str | None = None) -> str:
+    """The group a router joins when given none: ``kvwire-index.<topic>.<host>[.<port>]``.
+
+    Stable across restarts (lag exporters and ACLs can follow it; ACLs can match the
+    ``kvwire-index.`` prefix), and still one group per router: two routers on one host differ
+    by their HTTP port, so neither silently takes half of the other's partitions."""
+    name = host or socket.gethostname()
+    return f"{DEFAULT_GROUP_PREFIX}.{topic}.{name}" + (f".{http_port}" if http_port else "")
 
 
 @dataclass
@@ -45,8 +64,18 @@ class IngestConfig:
     # aiokafka's 500 ms default would be the index's lag floor.
     fetch_max_wait_ms: int = 10
     client_options: dict = field(default_factory=dict)
+    # Snapshot supervision: first retry after this long, doubling up to the max; this many
+    # failed snapshot attempts in a row make the member unhealthy.
+    snapshot_retry_s: float = 1.0
+    snapshot_retry_max_s: float = 60.0
+    snapshot_failure_limit: int = 5
+    # Replication of the dead-letter topic (None: kvwire.topics' configuration/defaults).
+    replication_factor: int | None = None
+    min_insync_replicas: int | None = None
 
     def resolved_group(self) -> str:
+        # Embedded members (tests, the demo) without a group each get a fresh one; `kvwire index`
+        # passes default_group_id() instead, which is stable.
         return self.group_id or f"kvwire-index-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
     def resolved_dlq(self) -> str:
@@ -82,6 +111,11 @@ class IndexMember:
         self._stopping = asyncio.Event()
         self._last_commit = 0.0
         self._committed: dict[int, int] = {}
+        self._snap_task: asyncio.Task | None = None
+        self._snap_failures = 0  # failed snapshot attempts in a row
+        self.failure: str | None = None  # why this member is unhealthy; None while healthy
+        self._failures: dict[str, str] = {}  # reason -> detail
+        self._failed = asyncio.Event()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -104,14 +138,94 @@ class IndexMember:
         await self._consumer.start()
         self._consumer.subscribe([self.config.topic], listener=_Rebalance(self))
         self._task = asyncio.create_task(self._run(), name=f"kvwire-ingest-{self.group_id}")
+        self._task.add_done_callback(lambda t: self._task_ended("ingest", t))
+        if self.snapshots is not None:
+            self._snap_task = asyncio.create_task(self._snapshot_loop(), name=f"kvwire-snapshots-{self.group_id}")
+            self._snap_task.add_done_callback(lambda t: self._task_ended("snapshots", t))
+
+    # ------------------------------------------------------------ supervision
+
+    @property
+    def healthy(self) -> bool:
+        return self.failure is None
+
+    async def wait_failed(self) -> str:
+        """Returns the reason once the member has become unhealthy."""
+        await self._failed.wait()
+        return self.failure or "unknown"
+
+    def _set_failure(self, reason: str, detail: str) -> None:
+        if reason not in self._failures:
+            log.error("index member unhealthy (%s): %s", reason, detail)
+        self._failures[reason] = detail
+        self.applier.metrics.failed.labels(reason).set(1)
+        self.failure = "; ".join(f"{r}: {d}" for r, d in self._failures.items())
+        self._failed.set()
+
+    def _clear_failure(self, reason: str) -> None:
+        if self._failures.pop(reason, None) is not None:
+            log.info("index member recovered from %s", reason)
+            self.applier.metrics.failed.labels(reason).set(0)
+            self.failure = "; ".join(f"{r}: {d}" for r, d in self._failures.items()) or None
+            if self.failure is None:
+                self._failed.clear()
+
+    def _task_ended(self, name: str, task: asyncio.Task) -> None:
+        if self._stopping.is_set():
+            return
+        if task.cancelled():
+            detail = f"{name} task cancelled"
+        elif task.exception() is not None:
+            detail = f"{name} task died: {task.exception()!r}"
+        else:
+            detail = f"{name} task returned"
+        self._set_failure("ingest_task_dead" if name == "ingest" else "snapshot_task_dead", detail)
+
+    async def _snapshot_loop(self) -> None:
+        """Periodic snapshots beside ingest, never inside it: a save that hangs or fails costs
+        snapshots (a longer replay after a restart), not freshness."""
+        cfg = self.config
+        retry_at = 0.0
+        while not self._stopping.is_set():
+            try:
+                await asyncio.wait_for(self._stopping.wait(), 0.2)
+                return
+            except TimeoutError:
+                pass
+            if time.monotonic() < retry_at or not self.ready or self._assigning:
+                continue
+            try:
+                await self.snapshots.maybe_save(
+                    self.applier, self.config.topic, sorted(self.assigned), owned=self._owns
+                )
+            except Exception as e:
+                self._snap_failures += 1
+                self.applier.metrics.snapshot_failures.inc()
+                delay = min(cfg.snapshot_retry_max_s, cfg.snapshot_retry_s * 2 ** (self._snap_failures - 1))
+                retry_at = time.monotonic() + delay
+                log.warning("snapshot failed (%d in a row), retrying in %.1fs: %r", self._snap_failures, delay, e)
+                if self._snap_failures >= cfg.snapshot_failure_limit:
+                    self._set_failure("snapshots_failing", f"{self._snap_failures} snapshot attempts failed: {e!r}")
+            else:
+                if self._snap_failures:
+                    log.info("snapshot succeeded after %d failure(s)", self._snap_failures)
+                self._snap_failures = 0
+                self._clear_failure("snapshots_failing")
+
+    def _owns(self, partition: int) -> bool:
+        """Checked right before a snapshot is captured: a partition revoked meanwhile must not be
+        written (its state is gone, an empty snapshot would skip its records for the next owner)."""
+        return partition in self.assigned and not self._assigning
 
     async def stop(self) -> None:
         self._stopping.set()
-        if self._task:
+        for task in (self._task, self._snap_task):
+            if task is None:
+                continue
             try:
-                await asyncio.wait_for(self._task, 10)
+                await asyncio.wait_for(task, 10)
             except (TimeoutError, Exception) as e:  # stopping must not raise
-                log.warning("ingest task ended badly: %r", e)
+                log.warning("%s ended badly: %r", task.get_name(), e)
         try:
             await self._flush_and_commit(force=True)
         except Exception as e:
@@ -130,21 +244,24 @@ class IndexMember:
                     log.warning("client stop failed: %r", e)
 
     async def _ensure_dlq(self) -> None:
-        """Create the dead-letter topic up front so the first bad record is not
+        """Create the dead-letter topic up front (replicated like the events: a dead letter is
+        the only copy of a record once the commit passes it) so the first bad record is not
         also the first metadata miss; a broker that forbids it gets a warning."""
-        from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+        from kvwire.topics import Replication, ensure_topic
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.config.bootstrap_servers, **self.config.client_options)
+        cfg = self.config
         try:
-            await admin.start()
-            resp = await admin.create_topics([NewTopic(self.config.resolved_dlq(), 1, 1)])
-            errs = [e for e in resp.topic_errors if e[1] not in (0, 36)]  # 36: exists
-            if errs:
-                log.warning("cannot create dead-letter topic: %s", errs)
+            await ensure_topic(
+                cfg.bootstrap_servers,
+                cfg.resolved_dlq(),
+                1,
+                replication=Replication.from_env(
+                    replication_factor=cfg.replication_factor, min_insync_replicas=cfg.min_insync_replicas
+                ),
+                client_options=cfg.client_options,
+            )
         except Exception as e:
             log.warning("cannot create dead-letter topic: %r", e)
-        finally:
-            await admin.close()
 
     @property
     def ready(self) -> bool:
@@ -215,7 +332,7 @@ class IndexMember:
             return log_start
         return await self.snapshots.restore(self.applier, self.config.topic, partition, log_start, log_end)
 
-    async def _write_snapshots(self, partitions) -> None:
+    async def _write_snapshots(self, partitions: Iterable[int]) -> None:
         for p in sorted(partitions):
             try:
                 await self.snapshots.save(self.applier, self.config.topic, p)
@@ -251,8 +368,6 @@ class IndexMember:
             except Exception as e:
                 log.warning("commit failed, will retry: %r", e)
             self._update_gauges()
-            if self.snapshots is not None and self.ready:
-                await self.snapshots.maybe_save(self.applier, self.config.topic, self.assigned)
 
     async def _flush_and_commit(self, force: bool = False) -> None:
         dead = self.applier.take_dead_letters()

@@ -40,6 +40,17 @@ class IngestMetrics:
         self.index_holder_blocks = Gauge("kvwire_index_holder_blocks", "Holder-blocks in the index", registry=r)
         self.index_bytes = Gauge("kvwire_index_bytes", "Bytes held by the index tables", registry=r)
         self.workers = Gauge("kvwire_workers", "Workers known, by trust", ["trusted"], registry=r)
+        # 1 while the member is unhealthy for this reason (ingest_task_dead, snapshot_task_dead,
+        # snapshots_failing); /healthz answers 503 and `kvwire index` exits.
+        self.failed = Gauge("kvwire_index_failed", "Why the member is unhealthy (1 = failing)", ["reason"], registry=r)
+        self.snapshot_failures = Counter("kvwire_snapshot_failures", "Snapshot attempts that failed", registry=r)
+        self.score_latency = Histogram(
+            "kvwire_score_latency_seconds",
+            "Time to answer POST /v1/score (local index and any peers)",
+            ["scope"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
         self._lags: deque[int] = deque(maxlen=LAG_WINDOW)
 
     def observe_lag_us(self, lag_us: int) -> None:

@@ -51,7 +51,7 @@ import time
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
@@ -489,9 +489,19 @@ class Snapshots:
         self._last[partition] = (time.monotonic(), body.next_offset)
         self.saved += 1
 
-    async def maybe_save(self, applier: Applier, topic: str, partitions: Iterable[int]) -> None:
+    async def maybe_save(
+        self,
+        applier: Applier,
+        topic: str,
+        partitions: Iterable[int],
+        owned: Callable[[int], bool] | None = None,
+    ) -> None:
+        """Save each partition that is due. ``owned(p)`` is asked right before each capture: the
+        saves before it awaited, and the partition may have been revoked meanwhile."""
         now = time.monotonic()
         for p in partitions:
+            if owned is not None and not owned(p):
+                continue
             pos = applier.positions.get(p)
             if pos is None:
                 continue

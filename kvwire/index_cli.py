@@ -1,4 +1,8 @@
-"""`kvwire index`: one index member (consumer-group member + HTTP API) until SIGINT/SIGTERM."""
+"""`kvwire index`: one index member (consumer-group member + HTTP API) until SIGINT/SIGTERM.
+
+It exits 1 when the member becomes unhealthy (its ingest task died, or snapshots failed
+``--snapshot-failures`` times in a row): a member that only answers stale scores is worse than
+one an orchestrator restarts."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import signal
 
 import typer
 
-from kvwire.options import client_options_from_env
+from kvwire.options import CONFIG_ENV, client_options
 
 
 def index(
@@ -18,7 +22,8 @@ def index(
         None,
         "--group",
         "-g",
-        help="Consumer group. Omit: a group of its own (full index). Shared: each member indexes its partitions.",
+        help="Consumer group. Omit: kvwire-index.<topic>.<hostname>.<http port>, stable across restarts and "
+        "one per router (full index). Shared: each member indexes its partitions.",
     ),
     http: str = typer.Option("127.0.0.1:8080", "--http", help="HOST:PORT for the HTTP API"),
     peer: list[str] = typer.Option(
@@ -42,12 +47,24 @@ def index(
         200_000, "--snapshot-records", help="Also snapshot a partition after this many of its records"
     ),
     max_tokens: int = typer.Option(256 * 1024, "--max-tokens", help="Largest prompt /v1/score accepts (413 above)"),
+    snapshot_failures: int = typer.Option(
+        5, "--snapshot-failures", min=1, help="Failed snapshot attempts in a row before the member is unhealthy"
+    ),
+    snapshot_retry: float = typer.Option(
+        1.0, "--snapshot-retry", help="Seconds before the first snapshot retry (doubling, at most 60 s)"
+    ),
+    kafka_config: str | None = typer.Option(
+        None,
+        "--kafka-config",
+        envvar=CONFIG_ENV,
+        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
+    ),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Build a prefix-cache index from the topic and serve it over HTTP."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, _, port = http.rpartition(":")
-    asyncio.run(
+    code = asyncio.run(
         _run(
             bootstrap_servers,
             topic,
@@ -61,8 +78,13 @@ def index(
             max_tokens,
             snapshot_interval,
             snapshot_records,
+            snapshot_failures,
+            snapshot_retry,
+            kafka_config,
         )
     )
+    if code:
+        raise typer.Exit(code)
 
 
 async def _run(
@@ -78,12 +100,23 @@ async def _run(
     max_tokens,
     snapshot_interval=60.0,
     snapshot_records=200_000,
-) -> None:
+    snapshot_failures=5,
+    snapshot_retry=1.0,
+    kafka_config=None,
+) -> int:
     from kvwire.consumer.http import make_app, serve
-    from kvwire.consumer.ingest import IndexMember, IngestConfig
+    from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
 
-    opts = client_options_from_env()
-    cfg = IngestConfig(bootstrap, topic, group_id=group, heartbeat_timeout_s=heartbeat_timeout, client_options=opts)
+    opts = client_options(kafka_config)
+    cfg = IngestConfig(
+        bootstrap,
+        topic,
+        group_id=group or default_group_id(topic, port),
+        heartbeat_timeout_s=heartbeat_timeout,
+        client_options=opts,
+        snapshot_retry_s=snapshot_retry,
+        snapshot_failure_limit=snapshot_failures,
+    )
     store = None
     if use_snapshots:
         from kvwire.consumer.snapshot import snapshot_store
@@ -102,10 +135,21 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await member.start()
-    runner = await serve(make_app(member.applier, lambda: member.ready, peers=peers, max_tokens=max_tokens), host, port)
+    app = make_app(
+        member.applier, lambda: member.ready, peers=peers, max_tokens=max_tokens, health=lambda: member.failure
+    )
+    runner = await serve(app, host, port)
     typer.echo(f"kvwire index: group {member.group_id}, http://{host}:{port}", err=True)
+    stopped = asyncio.ensure_future(stop.wait())
+    failed = asyncio.ensure_future(member.wait_failed())
     try:
-        await stop.wait()
+        await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for f in (stopped, failed):
+            f.cancel()
         await runner.cleanup()
         await member.stop()
+    if failed.done() and not failed.cancelled():
+        typer.echo(f"kvwire index: unhealthy, exiting: {failed.result()}", err=True)
+        return 1
+    return 0

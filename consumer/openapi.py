@@ -1,0 +1,190 @@
+"""The OpenAPI 3.1 description of an index member's HTTP API, served at ``GET /openapi.json``.
+
+Kept beside, not inside, the handlers (``kvwire.consumer.http``) so the contract reads in one
+place; ``tests/consumer/test_openapi.py`` runs schemathesis against a live member with it: every
+documented input either succeeds or gets its documented 4xx, never a 5xx, and every response
+matches the schema below. Objects allow fields beyond those listed, so adding a field to an
+answer is not a breaking change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "string", "maxLength": 600}},
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str, Any]:
+    score = {
+        "type": "object",
+        "required": ["instance_id", "dp_rank", "matched_tokens", "by_medium", "score"],
+        "properties": {
+            "instance_id": {"type": "string"},
+            "dp_rank": {"type": "integer", "minimum": 0},
+            "matched_tokens": {"type": "integer", "minimum": 0},
+            "by_medium": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
+            "score": {"type": "number"},
+        },
+    }
+    request = {
+        "type": "object",
+        "required": ["token_ids"],
+        "additionalProperties": False,
+        "properties": {
+            "token_ids": {
+                "type": "array",
+                "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+                "description": f"The prompt's token ids; more than {max_tokens} get 413.",
+            },
+            "lora_name": {"type": ["string", "null"]},
+            "block_size": {"type": ["integer", "null"], "minimum": 1, "maximum": 1 << 20},
+            "local": {
+                "type": "boolean",
+                "default": False,
+                "description": "Answer from this member's partitions only (what peers send each other).",
+            },
+            "limit": {"type": "integer", "minimum": 1, "maximum": max_results, "default": 64},
+        },
+    }
+    rank = {
+        "type": "object",
+        "required": ["tp_rank", "epoch", "last_seq", "trusted"],
+        "properties": {
+            "tp_rank": {"type": "integer"},
+            "epoch": {"type": "integer"},
+            "last_seq": {"type": "integer"},
+            "trusted": {"type": "boolean"},
+            "untrusted_reason": {"type": ["string", "null"]},
+            "last_seen_us": {"type": "integer"},
+            "records": {"type": "integer"},
+            "gaps": {"type": "integer"},
+        },
+    }
+    worker = {
+        "type": "object",
+        "required": ["instance_id", "dp_rank", "blocks", "trusted"],
+        "properties": {
+            "instance_id": {"type": "string"},
+            "dp_rank": {"type": "integer"},
+            "tp_size": {"type": "integer"},
+            "blocks": {"type": "integer", "minimum": 0},
+            "blocks_by_medium": {"type": "object", "additionalProperties": {"type": "integer"}},
+            "orphans": {"type": "integer"},
+            "trusted": {"type": "boolean"},
+            "ranks": {"type": "array", "items": rank},
+        },
+    }
+    health = {
+        "type": "object",
+        "required": ["ready"],
+        "properties": {
+            "ready": {"type": "boolean", "description": "Caught up with the end offsets seen at assignment."},
+            "healthy": {"type": "boolean", "description": "False once ingest died or snapshots keep failing."},
+            "failure": {"type": "string", "description": "Why the member is unhealthy."},
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvwire index member",
+            "version": "1",
+            "description": "Prefix-cache scores from the index a consumer-group member builds from Kafka.",
+        },
+        "paths": {
+            "/v1/score": {
+                "post": {
+                    "operationId": "score",
+                    "summary": "Score workers by the longest cached prefix of a prompt",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["scores"],
+                                "properties": {
+                                    "scores": {"type": "array", "items": score, "maxItems": max_results},
+                                    "partial": {"type": "boolean", "description": "A peer did not answer."},
+                                    "failed_peers": {"type": "array", "items": {"type": "string"}},
+                                },
+                            },
+                            "Workers with a matched prefix, best first",
+                        ),
+                        "400": _json(_ERROR, "Malformed JSON or a request outside the schema"),
+                        "413": _json(_ERROR, "Body or token count over the limit"),
+                    },
+                }
+            },
+            "/v1/workers": {
+                "get": {
+                    "operationId": "workers",
+                    "summary": "Per worker: blocks, epochs, sequence numbers, trust",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["workers"],
+                                "properties": {"workers": {"type": "array", "items": worker}},
+                            },
+                            "Known workers",
+                        )
+                    },
+                }
+            },
+            "/v1/digest": {
+                "get": {
+                    "operationId": "digest",
+                    "summary": "Order-independent digest of the index (replay checks)",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["digest", "holder_blocks"],
+                                "properties": {
+                                    "digest": {"type": "string"},
+                                    "holder_blocks": {"type": "integer", "minimum": 0},
+                                },
+                            },
+                            "Digest and size",
+                        )
+                    },
+                }
+            },
+            "/healthz": {
+                "get": {
+                    "operationId": "healthz",
+                    "summary": "Readiness and health for an orchestrator",
+                    "responses": {
+                        "200": _json(health, "Caught up and healthy"),
+                        "503": _json(health, "Still catching up, or unhealthy (see failure)"),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "operationId": "metrics",
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text exposition format",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "operationId": "openapi",
+                    "summary": "This document",
+                    "responses": {"200": _json({"type": "object"}, "OpenAPI 3.1 document")},
+                }
+            },
+        },
+    }
