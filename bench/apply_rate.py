@@ -60,17 +60,12 @@ def make_records(blocks: int, events_per_record: int, seed: int = 0) -> list[tup
 
 async def fill(bootstrap: str, topic: str, records) -> float:
     from aiokafka import AIOKafkaProducer
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
     from kvwire.producer.config import _default_compression
     from kvwire.producer.partitioner import default_partition
+    from kvwire.topics import ensure_topic
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
-    finally:
-        await admin.close()
+    await ensure_topic(bootstrap, topic, PARTITIONS)
     p = AIOKafkaProducer(
         bootstrap_servers=bootstrap,
         linger_ms=20,

@@ -242,16 +242,9 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarr
 async def _create_topic(bootstrap: str, topic: str) -> None:
     """LogAppendTime: record timestamps become the broker's append time, which splits the lag
     into publisher side and consumer side (kvwire itself reads only EventBatch.ts_us)."""
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from kvwire.topics import ensure_topic
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics(
-            [NewTopic(topic, PARTITIONS, 1, topic_configs={"message.timestamp.type": "LogAppendTime"})]
-        )
-    finally:
-        await admin.close()
+    await ensure_topic(bootstrap, topic, PARTITIONS, {"message.timestamp.type": "LogAppendTime"})
 
 
 def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int = 10) -> dict:

@@ -108,14 +108,9 @@ async def _produce(bootstrap: str, topic: str, records) -> int:
 
 
 async def _create(bootstrap: str, topic: str) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from kvwire.topics import ensure_topic
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(topic, PARTITIONS, 1)])
-    finally:
-        await admin.close()
+    await ensure_topic(bootstrap, topic, PARTITIONS)
 
 
 async def _delete(bootstrap: str, topic: str) -> None:

@@ -58,6 +58,9 @@ from typing import Protocol
 import msgspec
 import xxhash
 
+from kvwire.options import admin_options
+from kvwire.topics import Replication
+
 from .apply import Applier
 from .rank_state import RETIRED_EPOCHS, RankState
 
@@ -267,7 +270,9 @@ class KafkaStore:
         source_topic: str | None = None,
         client_options: dict | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        replication: Replication | None = None,
     ):
+        self.replication = replication
         self.bootstrap = bootstrap_servers
         self.topic = topic
         self.source_topic = source_topic
@@ -280,7 +285,7 @@ class KafkaStore:
     async def _admin(self):
         from aiokafka.admin import AIOKafkaAdminClient
 
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **self.opts)
+        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap, **admin_options(self.opts))
         await admin.start()
         return admin
 
@@ -297,35 +302,35 @@ class KafkaStore:
     async def _ensure_topic(self, create: bool) -> int | None:
         if self._partitions is not None:
             return self._partitions
-        from aiokafka.admin import NewTopic
-
         admin = await self._admin()
         try:
-            n = await self._describe(admin, self.topic)
-            if n is None and create:
-                want = (await self._describe(admin, self.source_topic) if self.source_topic else None) or 1
-                resp = await admin.create_topics(
-                    [
-                        NewTopic(
-                            self.topic,
-                            want,
-                            1,
-                            topic_configs={
-                                "cleanup.policy": "compact",
-                                # Roll and clean often: the topic's size should stay about one snapshot per partition.
-                                "segment.ms": "600000",
-                                "min.cleanable.dirty.ratio": "0.1",
-                                "max.message.bytes": str(self.chunk_bytes + 64 * 1024),
-                            },
-                        )
-                    ]
-                )
-                errs = [e for e in resp.topic_errors if e[1] not in (0, 36)]  # 36: already exists
-                if errs:
-                    raise RuntimeError(f"cannot create {self.topic}: {errs}")
-                n = await self._describe(admin, self.topic) or want
+            # Describe only what exists: a metadata request for a missing topic auto-creates it
+            # on a broker that allows that, with the broker's defaults instead of ours.
+            existing = set(await admin.list_topics())
+            n = await self._describe(admin, self.topic) if self.topic in existing else None
+            src = self.source_topic
+            want = (await self._describe(admin, src) if src and src in existing else None) or 1
         finally:
             await admin.close()
+        if n is None and create:
+            from kvwire.topics import ensure_topic
+
+            # Replicated like the events (kvwire.topics): a snapshot lost with one broker costs
+            # every member a replay from the log start.
+            n = await ensure_topic(
+                self.bootstrap,
+                self.topic,
+                want,
+                {
+                    "cleanup.policy": "compact",
+                    # Roll and clean often: the topic's size should stay about one snapshot per partition.
+                    "segment.ms": "600000",
+                    "min.cleanable.dirty.ratio": "0.1",
+                    "max.message.bytes": str(self.chunk_bytes + 64 * 1024),
+                },
+                replication=self.replication,
+                client_options=self.opts,
+            )
         self._partitions = n
         return n
 

@@ -24,12 +24,18 @@ def bridge(
     partitions: int = typer.Option(12, help="Partitions if the topic must be created."),
     replay_timeout_s: float = typer.Option(5.0, help="Give up on a replay after this long (the rest is a gap)."),
     log_level: str = typer.Option("INFO"),
+    kafka_config: str | None = typer.Option(
+        None,
+        "--kafka-config",
+        envvar="KVWIRE_KAFKA_CONFIG",
+        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
+    ),
 ) -> None:
     import asyncio
     import logging
     import signal
 
-    from kvwire.options import client_options_from_env
+    from kvwire.options import client_options
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
     from kvwire.producer.zmq_bridge import BridgeConfig, ZmqBridge
     from kvwire.schemas.events import WorkerId
@@ -42,7 +48,7 @@ def bridge(
             bootstrap_servers=bootstrap_servers,
             topic=topic,
             partitions=partitions,
-            client_options=client_options_from_env(),
+            client_options=client_options(kafka_config),
         )
     )
     # The ZMQ stream is emitted after TP aggregation: one rank per worker.

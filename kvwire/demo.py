@@ -50,6 +50,12 @@ def demo(
         envvar="KAFKA_BOOTSTRAP_SERVERS",
         help="Existing Kafka; default: start a local one",
     ),
+    kafka_config: str | None = typer.Option(
+        None,
+        "--kafka-config",
+        envvar="KVWIRE_KAFKA_CONFIG",
+        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
+    ),
 ) -> None:
     """Run simulated workers → producer → Kafka → index group → router, and report hit rate against an oracle."""
     from rich.console import Console
@@ -61,27 +67,37 @@ def demo(
         console.print("[dim]starting Kafka (first run downloads the broker jars with Maven)...[/]")
         bootstrap_servers = resolve_bootstrap()
     console.print(f"Kafka: [bold]{bootstrap_servers}[/]")
+    from kvwire.options import client_options
+
+    opts = client_options(kafka_config)
     ok = asyncio.run(
-        _run(console, bootstrap_servers, workers, tp_size, partitions, members, seconds, rate, capacity, seed)
+        _run(console, bootstrap_servers, workers, tp_size, partitions, members, seconds, rate, capacity, seed, opts)
     )
     raise typer.Exit(0 if ok else 1)
 
 
-async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, seconds, rate, capacity, seed) -> bool:
+async def _run(
+    console, bootstrap, n_workers, tp_size, partitions, n_members, seconds, rate, capacity, seed, opts=None
+) -> bool:
     from kvwire.consumer.http import merge_scores
     from kvwire.consumer.ingest import IndexMember, IngestConfig
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
     from kvwire.producer.simulator import SimConfig, Simulator
 
     topic = f"kvwire.demo-{uuid.uuid4().hex[:8]}"
-    pub = KafkaPublisher(PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=2))
+    opts = opts or {}
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=2, client_options=opts
+        )
+    )
     streams = {}
     sim = Simulator(
         SimConfig(workers=n_workers, tp_size=tp_size, capacity_blocks=capacity, seed=seed, p_clear=0.0, p_restart=0.0),
         lambda rank, evs: streams[rank].publish(evs),
         on_restart=lambda rank: streams[rank].new_epoch(),
     )
-    await _create_topic(bootstrap, topic, partitions)
+    await _create_topic(bootstrap, topic, partitions, opts)
     console.print(
         f"topic [bold]{topic}[/] ({partitions} partitions), {n_workers} workers x TP{tp_size}, "
         f"{n_members} index member(s) in one group"
@@ -89,7 +105,8 @@ async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, se
 
     group = f"kvwire-demo-{uuid.uuid4().hex[:8]}"
     members = [
-        IndexMember(IngestConfig(bootstrap, topic, group_id=group, heartbeat_timeout_s=3600)) for _ in range(n_members)
+        IndexMember(IngestConfig(bootstrap, topic, group_id=group, heartbeat_timeout_s=3600, client_options=opts))
+        for _ in range(n_members)
     ]
     for m in members:
         await m.start()
@@ -162,7 +179,7 @@ async def _run(console, bootstrap, n_workers, tp_size, partitions, n_members, se
 
     # drain: every accepted batch reaches the index, then compare with the engines' caches
     await asyncio.to_thread(pub.close)
-    ends = await _end_offsets(bootstrap, topic)
+    ends = await _end_offsets(bootstrap, topic, opts)
     for _ in range(600):
         pos = {p: off for m in members for p, off in m.applier.positions.items() if p in m.assigned}
         if all(pos.get(p, 0) >= off for p, off in ends.items()):
@@ -229,24 +246,16 @@ def _line(st: DemoStats, members, pub, elapsed: float) -> str:
     )
 
 
-async def _create_topic(bootstrap, topic, partitions) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+async def _create_topic(bootstrap, topic, partitions, client_options=None) -> None:
+    from kvwire.topics import ensure_topic
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        resp = await admin.create_topics([NewTopic(topic, partitions, 1)])
-        errs = [e for e in resp.topic_errors if e[1] not in (0, 36)]
-        if errs:
-            raise RuntimeError(f"cannot create {topic}: {errs}")
-    finally:
-        await admin.close()
+    await ensure_topic(bootstrap, topic, partitions, client_options=client_options)
 
 
-async def _end_offsets(bootstrap, topic) -> dict[int, int]:
+async def _end_offsets(bootstrap, topic, opts=None) -> dict[int, int]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    c = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, **(opts or {}))
     await c.start()
     try:
         parts = c.partitions_for_topic(topic)

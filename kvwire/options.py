@@ -283,3 +283,12 @@ def redact(opts: Mapping[str, Any]) -> dict:
         else:
             out[k] = v
     return out
+
+
+def connector_client_options(extra: Mapping[str, Any]) -> ClientOptions:
+    """The vLLM connector's client options (its ``kv_connector_extra_config["kvwire"]``): the
+    environment and ``kafka_config`` (a properties file), then ``kafka_properties`` (standard
+    names), then any aiokafka keywords already given as ``publisher.client_options``."""
+    opts = client_options(extra.get("kafka_config"), extra.get("kafka_properties"))
+    opts.update((extra.get("publisher") or {}).get("client_options") or {})
+    return opts

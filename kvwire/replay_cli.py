@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 
 import typer
 
-from kvwire.options import client_options_from_env
+from kvwire.options import client_options
 
 
 def _when(s: str) -> datetime:
@@ -32,6 +32,12 @@ def replay(
         help="With --from snapshot: read snapshots from this directory instead of <topic>.snapshots",
     ),
     json_path: str | None = typer.Option(None, "--json", help="Write the summary as JSON here ('-' for stdout)"),
+    kafka_config: str | None = typer.Option(
+        None,
+        "--kafka-config",
+        envvar="KVWIRE_KAFKA_CONFIG",
+        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
+    ),
 ) -> None:
     """Rebuild an index from the topic; report records, blocks/s, per-worker blocks and the digest."""
     from rich.console import Console
@@ -40,7 +46,7 @@ def replay(
     from kvwire.consumer.replay import replay as run_replay
     from kvwire.consumer.snapshot import snapshot_store
 
-    opts = client_options_from_env()
+    opts = client_options(kafka_config)
     begin: str | datetime = start if start in ("earliest", "snapshot") else _when(start)
     end = None if until == "end" else _when(until)
     snaps = (

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dc_field
 from datetime import UTC, datetime, timedelta
 from typing import IO, Any
 
@@ -34,6 +36,8 @@ class TailOptions:
     as_json: bool = False
     max_records: int | None = None
     timeout_s: float | None = None  # stop after this long without a new record
+    # aiokafka security/client options (kvwire.options); a ClientOptions keeps the repr redacted.
+    client_options: Mapping[str, Any] = dc_field(default_factory=dict)
 
 
 class TailError(Exception):
@@ -253,7 +257,7 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest" if start == "earliest" else "latest",
-        client_id="kvwire-tail",
+        **{"client_id": "kvwire-tail", **opts.client_options},
     )
     await consumer.start()
     try:
@@ -312,9 +316,22 @@ def tail(
     as_json: bool = typer.Option(False, "--json", help="one JSON object per record"),
     max_records: int | None = typer.Option(None, "--max-records", min=1),
     timeout: float | None = typer.Option(None, "--timeout", help="stop after S seconds without a record"),
+    kafka_config: str | None = typer.Option(
+        None,
+        "--kafka-config",
+        envvar="KVWIRE_KAFKA_CONFIG",
+        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
+    ),
 ) -> None:
     """Print decoded kvwire batches: one line per event, or JSON lines with --json."""
-    opts = TailOptions(bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout)
+    from kvwire.options import client_options
+
+    try:
+        copts = client_options(kafka_config)
+    except ValueError as e:
+        typer.echo(f"kvwire tail: {e}", err=True)
+        raise typer.Exit(2) from None
+    opts = TailOptions(bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout, copts)
     try:
         parse_start(start)  # fail on a bad --from before connecting
         asyncio.run(run_tail(opts, sys.stdout))

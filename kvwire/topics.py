@@ -111,7 +111,10 @@ async def ensure_topics(
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **admin_options(client_options or {}))
     await admin.start()
     try:
-        have = {n: await partition_count(admin, n) for n in names}
+        # Describe only what exists: a metadata request for a missing topic makes a broker with
+        # auto.create.topics.enable create it, with the broker's defaults instead of ours.
+        existing = set(await admin.list_topics())
+        have = {n: await partition_count(admin, n) if n in existing else None for n in names}
         missing = [n for n, p in have.items() if p is None]
         if missing:
             rf, isr = repl.resolve(await live_brokers(admin))

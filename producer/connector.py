@@ -19,7 +19,9 @@ Configuration (``kv_connector_extra_config["kvwire"]``): bootstrap_servers, topi
 instance_id, inner_connector (default "LMCacheConnectorV1"), inner_module_path
 (None = vLLM's registry), forward_events_to_vllm (default true), partitions,
 partition, model, repair_lmcache_events (default: inner is an LMCache connector),
-publisher (extra PublisherConfig fields).
+publisher (extra PublisherConfig fields), kafka_config (a Kafka client properties file) and
+kafka_properties (standard Kafka client property names; see kvwire.options, which also reads
+the environment).
 
 Engine thread is sacred: publishing goes through the never-blocking publisher
 and every kvwire step is wrapped so a failure is counted, never raised.
@@ -141,6 +143,8 @@ class KVWireConnector(KVConnectorBase_V1):
 
     def _start_publisher(self, vllm_config: Any) -> None:
         try:
+            from kvwire.options import connector_client_options
+
             from .publisher import KafkaPublisher, PublisherConfig
 
             o = self._opts
@@ -150,7 +154,7 @@ class KVWireConnector(KVConnectorBase_V1):
                 topic=o.get("topic", PublisherConfig.topic),
                 partitions=int(o.get("partitions", PublisherConfig.partitions)),
                 partition=o.get("partition"),
-                **(o.get("publisher") or {}),
+                **{**(o.get("publisher") or {}), "client_options": connector_client_options(o)},
             )
             self._publisher = KafkaPublisher(cfg)
             self._stream = self._publisher.stream(worker, source="vllm-connector")

@@ -7,22 +7,24 @@ import socket
 
 
 async def create_topics(
-    bootstrap: str, names: list[str], partitions: int, config: dict[str, str] | None = None
+    bootstrap: str,
+    names: list[str],
+    partitions: int,
+    config: dict[str, str] | None = None,
+    client_options: dict | None = None,
+    **replication: int | None,
 ) -> None:
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    """kvwire's own helper (kvwire.topics), so tests create topics exactly as kvwire does."""
+    from kvwire.topics import Replication, ensure_topics
 
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        resp = await admin.create_topics(
-            [NewTopic(n, partitions, 1, topic_configs=config or {}) for n in names], timeout_ms=30000
-        )
-        # create_topics reports per-topic errors in the response instead of raising.
-        errors = [(t[0], t[1], t[2] if len(t) > 2 else "") for t in resp.topic_errors if t[1] != 0]
-        if errors:
-            raise RuntimeError(f"create_topics failed: {errors}")
-    finally:
-        await admin.close()
+    await ensure_topics(
+        bootstrap,
+        names,
+        partitions,
+        config,
+        replication=Replication.from_env(**replication),
+        client_options=client_options,
+    )
 
 
 async def delete_topics(bootstrap: str, names: list[str]) -> None:

@@ -83,8 +83,13 @@ class LocalKafka:
         client_config: Mapping[str, Any] | None = None,
         libs_dir: str | os.PathLike | None = None,
         start_timeout_s: float = 60.0,
+        cluster_id: str | None = None,
+        jvm_opts: list[str] | None = None,
     ) -> None:
+        self.jvm_opts = list(jvm_opts) if jvm_opts is not None else list(JVM_OPTS)
         self.home = Path(home) if home else default_home()
+        # The members of one multi-broker cluster (kvwire.broker.cluster) format with one id.
+        self.cluster_id = cluster_id
         self.port = port or default_port()
         self.controller_port = self.port + 1
         # Hooks for e.g. a SASL/SCRAM broker: override listeners/protocol map here, add
@@ -107,13 +112,16 @@ class LocalKafka:
     pid_path = property(lambda self: self.home / "kafka.pid")
 
     # -- public API --------------------------------------------------------------------------
-    def start(self) -> str:
-        """Idempotent: returns the bootstrap of the already running broker or of a new one."""
+    def start(self, wait: bool = True) -> str:
+        """Idempotent: returns the bootstrap of the already running broker or of a new one.
+        ``wait=False`` returns once the JVM is launched: a cluster member cannot answer until a
+        quorum of its peers is up, so the cluster launches all of them before waiting."""
         self.home.mkdir(parents=True, exist_ok=True)
         with self._lock():  # concurrent starters (CLI + pytest) must not launch two JVMs
             pid = self.pid()
             if pid is not None:
-                self._wait_ready(pid)
+                if wait:
+                    self._wait_ready(pid)
                 return self.bootstrap
             if probe.port_open("127.0.0.1", self.port) or probe.port_open("127.0.0.1", self.controller_port):
                 raise BrokerError(
@@ -124,8 +132,15 @@ class LocalKafka:
             self._write_config()
             self._format()
             pid = self._spawn()
-            self._wait_ready(pid)
+            if wait:
+                self._wait_ready(pid)
             return self.bootstrap
+
+    def wait_ready(self) -> None:
+        pid = self.pid()
+        if pid is None:
+            raise BrokerError(f"broker of {self.home} is not running; log tail:\n{self.log_tail()}")
+        self._wait_ready(pid)
 
     def status(self) -> Status:
         pid = self.pid()
@@ -266,7 +281,7 @@ class LocalKafka:
             "kafka.tools.StorageTool",
             "format",
             "-t",
-            new_cluster_id(),
+            self.cluster_id or new_cluster_id(),
             "-c",
             str(self.config_path),
             *self.format_args,
@@ -288,7 +303,7 @@ class LocalKafka:
         return [f"-XX:ArchiveClassesAtExit={archive}"]
 
     def _spawn(self) -> int:
-        cmd = self._java("kafka.Kafka", str(self.config_path), opts=JVM_OPTS + self._cds_opts())
+        cmd = self._java("kafka.Kafka", str(self.config_path), opts=self.jvm_opts + self._cds_opts())
         quoted = " ".join(shlex.quote(a) for a in cmd)
         # `sh -c '... &'` orphans the JVM at once: no zombie or ResourceWarning in the caller,
         # and its own session keeps it alive after the CLI or pytest exits.

@@ -201,20 +201,52 @@ def secure_topic(secure_kafka: SecureKafka, request: pytest.FixtureRequest) -> s
     """A fresh 1-partition topic created with credentials (auto-create would hide auth failures)."""
     import uuid
 
-    from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+    from kafka_admin import create_topics
 
     name = f"sec-{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
-
-    async def create() -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=secure_kafka.sasl_bootstrap, **client_config(secure_kafka.env()))
-        await admin.start()
-        try:
-            resp = await admin.create_topics([NewTopic(name, 1, 1)], timeout_ms=30000)
-            errs = [t for t in resp.topic_errors if t[1] != 0]
-            if errs:
-                raise RuntimeError(f"create_topics failed: {errs}")
-        finally:
-            await admin.close()
-
-    run_sync(create)
+    run_sync(
+        lambda: create_topics(secure_kafka.sasl_bootstrap, [name], 1, client_options=client_config(secure_kafka.env()))
+    )
     return name
+
+
+def free_port_run(n: int) -> int:
+    """p..p+n-1 all free on 127.0.0.1 (a cluster's brokers and controllers)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n - 1 > 65535:
+            continue
+        ok = True
+        for q in range(p, p + n):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return p
+    raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(tmp_path_factory: pytest.TempPathFactory):
+    """A private three-broker KRaft cluster (kvwire.broker.cluster) for the replication faults.
+    Tests that kill or restart a node must leave all three running again."""
+    from ci_env import need_java_and_mvn
+
+    from kvwire.broker.cluster import LocalCluster
+
+    need_java_and_mvn("a three-broker cluster")
+    cluster = LocalCluster(tmp_path_factory.mktemp("kafka-cluster"), free_port_run(6), 3)
+    try:
+        cluster.start()
+    except Exception as e:
+        cluster.kill()
+        unavailable(f"three-broker cluster could not start: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.kill()  # its data is a temp dir: no controlled shutdown needed

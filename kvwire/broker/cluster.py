@@ -1,0 +1,160 @@
+"""A multi-broker KRaft cluster on one machine, from the same Maven jars as LocalKafka.
+
+Every node is a combined broker+controller (a LocalKafka with its own home and ports), and the
+controllers form a static quorum, so the cluster survives the loss of any one node of three:
+the shape the fault suite needs (leader loss, rolling restarts) and what production runs.
+
+Ports: node i (0-based) listens on ``port + 2*i`` and its controller on the next port, so the
+default three-node cluster on 19192 uses 19192..19197. Homes: ``<home>/node-<i>``; the cluster
+id is kept in ``<home>/cluster.id`` so a restarted node rejoins its own cluster.
+
+Internal topics get replication factor min(3, brokers) and ``min.insync.replicas`` 2 (from
+three brokers on), and so does every topic created without its own settings.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import probe
+from .local import JVM_OPTS, BrokerError, LocalKafka, default_home, new_cluster_id
+
+log = logging.getLogger("kvwire.broker")
+
+DEFAULT_CLUSTER_PORT = 19192
+# Three JVMs share the machine: a smaller heap each than a lone broker gets.
+CLUSTER_JVM_HEAP = "-Xmx512m"
+
+
+def default_cluster_home(brokers: int) -> Path:
+    return default_home() / f"cluster-{brokers}"
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    bootstrap: str
+    running: list[bool]  # per node
+
+    @property
+    def all_running(self) -> bool:
+        return all(self.running)
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        home: str | os.PathLike | None = None,
+        port: int | None = None,
+        brokers: int = 3,
+        *,
+        extra_properties: Mapping[str, Any] | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if brokers < 1:
+            raise ValueError("brokers must be >= 1")
+        self.home = Path(home) if home else default_cluster_home(brokers)
+        self.base_port = port or DEFAULT_CLUSTER_PORT
+        self.size = brokers
+        self.start_timeout_s = start_timeout_s
+        self.home.mkdir(parents=True, exist_ok=True)
+        id_file = self.home / "cluster.id"
+        if not id_file.exists():
+            id_file.write_text(new_cluster_id() + "\n")
+        self.cluster_id = id_file.read_text().strip()
+        voters = ",".join(f"{i + 1}@127.0.0.1:{self.base_port + 2 * i + 1}" for i in range(brokers))
+        rf = min(3, brokers)
+        isr = 2 if rf >= 3 else 1
+        self.nodes: list[LocalKafka] = []
+        for i in range(brokers):
+            props: dict[str, Any] = {
+                "node.id": i + 1,
+                "controller.quorum.voters": voters,
+                "offsets.topic.replication.factor": rf,
+                "transaction.state.log.replication.factor": rf,
+                "transaction.state.log.min.isr": isr,
+                "share.coordinator.state.topic.replication.factor": rf,
+                "share.coordinator.state.topic.min.isr": isr,
+                "default.replication.factor": rf,
+                "min.insync.replicas": isr,
+                # A restarted node takes its partitions' leadership back soon, as in production.
+                "leader.imbalance.check.interval.seconds": 10,
+                **(extra_properties or {}),
+            }
+            node = LocalKafka(
+                self.home / f"node-{i}",
+                self.base_port + 2 * i,
+                extra_properties=props,
+                start_timeout_s=start_timeout_s,
+                cluster_id=self.cluster_id,
+                jvm_opts=[o for o in JVM_OPTS if not o.startswith("-Xmx")] + [CLUSTER_JVM_HEAP],
+            )
+            self.nodes.append(node)
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(n.bootstrap for n in self.nodes)
+
+    def start(self) -> str:
+        """Idempotent: launches every node that is not running, then waits until the cluster
+        reports all of them registered."""
+        for n in self.nodes:
+            n.start(wait=False)
+        self.wait_brokers(self.size)
+        return self.bootstrap
+
+    def start_node(self, i: int) -> None:
+        """Restart one node (same data dir) and wait until the cluster counts it again."""
+        self.nodes[i].start(wait=False)
+        self.wait_brokers(self.live_nodes())
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL: no controlled shutdown, leadership moves only once the controller fences it."""
+        self.nodes[i].kill()
+
+    def stop_node(self, i: int) -> None:
+        """SIGTERM: controlled shutdown, leadership moves first."""
+        self.nodes[i].stop()
+
+    def live_nodes(self) -> int:
+        return sum(1 for n in self.nodes if n.pid() is not None)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+    def kill(self) -> None:
+        for n in self.nodes:
+            n.kill()
+
+    def status(self) -> ClusterStatus:
+        return ClusterStatus(self.bootstrap, [n.pid() is not None and probe.answers(n.bootstrap) for n in self.nodes])
+
+    def wait_brokers(self, count: int, timeout_s: float | None = None) -> None:
+        """Until some node's metadata lists ``count`` registered brokers."""
+        deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        last: Any = None
+        while time.monotonic() < deadline:
+            for n in self.nodes:
+                if n.pid() is None:
+                    continue
+                try:
+                    desc = probe.run_sync(lambda n=n: probe.describe_cluster(n.bootstrap, 5.0))
+                except Exception as e:
+                    last = e
+                    continue
+                if len(desc.get("brokers") or ()) >= count:
+                    return
+                last = f"{len(desc.get('brokers') or ())} brokers registered"
+            time.sleep(0.5)
+        tails = "\n".join(f"--- node {i}:\n{n.log_tail(15)}" for i, n in enumerate(self.nodes))
+        raise BrokerError(f"cluster not at {count} brokers after the timeout ({last!r}); log tails:\n{tails}")
+
+    def node_of(self, broker_id: int) -> int:
+        """Index in ``nodes`` of a broker id (node.id = index + 1)."""
+        return broker_id - 1

@@ -1,0 +1,320 @@
+"""Faults on a replicated three-broker KRaft cluster (kvwire.broker.cluster, tests/faults/conftest.py).
+
+Every topic here is created by kvwire itself (publisher, dead-letter topic, snapshot store), so
+these tests also check that kvwire's default replication holds: replication factor 3 and
+min.insync.replicas 2 on three live brokers. With acks=all (the idempotent publisher) an
+acknowledged record is on at least two replicas, so losing any one broker loses none of them:
+
+- the leader of the partitions in use is SIGKILLed mid-stream;
+- all three brokers are restarted one after the other under load;
+- the broker leading the dead-letter and snapshot topics is lost: both still hold everything.
+
+Each compares the member's index with the oracle fed every acknowledged record, and records its
+measurements (oracle_feed.record_result)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+
+import pytest
+from aiokafka import AIOKafkaProducer
+from oracle_feed import (
+    Fleet,
+    applier_scores,
+    assert_scores,
+    build_expected,
+    diff_index,
+    read_log,
+    record_result,
+    score_requests,
+    sim_blocks,
+    wait_until,
+)
+
+from kvwire.consumer.ingest import IndexMember, IngestConfig
+from kvwire.consumer.snapshot import snapshot_store
+
+pytestmark = pytest.mark.integration
+
+
+# ---------------------------------------------------------------- cluster helpers
+
+
+async def partitions(bootstrap: str, topic: str) -> list[dict]:
+    """Per partition: leader, replicas, isr (broker ids)."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        desc = await admin.describe_topics([topic])
+    finally:
+        await admin.close()
+    return sorted((p for t in desc if t["topic"] == topic for p in t["partitions"]), key=lambda p: p["partition"])
+
+
+async def topic_config(bootstrap: str, topic: str, name: str) -> str | None:
+    from aiokafka.admin import AIOKafkaAdminClient
+    from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        resp = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    finally:
+        await admin.close()
+    for r in resp:
+        for res in r.resources:
+            for entry in res[4]:
+                if entry[0] == name:
+                    return entry[1]
+    return None
+
+
+async def assert_replicated(bootstrap: str, topic: str) -> None:
+    """kvwire's defaults on three live brokers: three replicas, two of them in sync to ack."""
+    parts = await partitions(bootstrap, topic)
+    assert parts, f"{topic} does not exist"
+    assert all(len(p["replicas"]) == 3 for p in parts), (topic, parts)
+    assert await topic_config(bootstrap, topic, "min.insync.replicas") == "2"
+
+
+async def wait_fully_replicated(bootstrap: str, topics: list[str], timeout: float = 120) -> float:
+    async def full() -> bool:
+        for t in topics:
+            for p in await partitions(bootstrap, t):
+                if len(p["isr"]) < len(p["replicas"]) or p["leader"] < 0:
+                    return False
+        return True
+
+    return await wait_until(full, timeout, f"every replica of {topics} back in sync", every=0.5)
+
+
+async def start_member(bootstrap: str, topic: str, **kw) -> IndexMember:
+    member = IndexMember(IngestConfig(bootstrap, topic, heartbeat_timeout_s=600), **kw)
+    await member.start()
+    await wait_until(lambda: member.ready, 120, "member caught up")
+    return member
+
+
+async def check_against_oracle(fleet: Fleet, member: IndexMember, bootstrap: str, topic: str, stats):
+    """The acknowledged records are all in the log once, and the member equals their oracle."""
+    assert sum(s.dropped + s.lost + s.failed for s in stats) == 0, stats
+    assert fleet.refused == 0
+    records = await read_log(bootstrap, topic)
+    exp = build_expected(records, fleet.acks, fleet.epochs)
+    assert exp.acked_lost == 0 and exp.duplicates == 0, (exp.acked_lost, exp.duplicates)
+    assert exp.acked_records == sum(s.acked for s in stats) == len(records)
+    assert not exp.untrusted and not exp.notes, (exp.untrusted, exp.notes)
+    assert exp.blocks_per_worker() == sim_blocks(fleet.sim)
+    converge = await wait_until(lambda: diff_index(member.applier.index, exp) is None, 180, "member equal to oracle")
+    assert member.applier.index.digest() == exp.digest()
+    assert all(w["trusted"] for w in member.applier.workers())
+    assert_scores(applier_scores(member.applier), exp, score_requests(fleet.sim, 30))
+    return exp, converge
+
+
+# ---------------------------------------------------------------- faults
+
+
+async def test_partition_leader_killed_mid_stream(kafka_cluster):
+    bootstrap = kafka_cluster.bootstrap
+    topic = f"faults-leader-kill-{uuid.uuid4().hex[:8]}"
+    fleet = member = None
+    killed = None
+    try:
+        # One partition: every record goes through the leader we kill.
+        fleet = await asyncio.to_thread(
+            Fleet, bootstrap, topic, 1, sim={"tp_size": 2, "seed": 31}, pub={"heartbeat_interval_s": 1.0}
+        )
+        await asyncio.to_thread(fleet.run, 50)
+        await wait_until(lambda: fleet.acked_count() >= 50, 120, "first acknowledgements")
+        await assert_replicated(bootstrap, topic)
+        member = await start_member(bootstrap, topic)
+
+        fleet.start(pace_s=0.003)
+        await wait_until(lambda: fleet.acked_count() >= 400 and member.applier.records >= 300, 120, "traffic")
+        leader = (await partitions(bootstrap, topic))[0]["leader"]
+        killed = kafka_cluster.node_of(leader)
+        acked_at_kill = fleet.acked_count()
+        in_flight = fleet.in_flight()
+        t_kill = time.monotonic()
+        await asyncio.to_thread(kafka_cluster.kill_node, killed)
+        # acks=all still succeeds on the two remaining in-sync replicas: no waiting for the node.
+        failover = await wait_until(lambda: fleet.acked_count() >= acked_at_kill + 200, 120, "acks after failover")
+        new_leader = (await partitions(bootstrap, topic))[0]["leader"]
+        assert new_leader != leader and new_leader > 0
+        await wait_until(lambda: member.applier.records >= acked_at_kill + 200, 120, "member applies after failover")
+        member_s = time.monotonic() - t_kill
+        stats = await asyncio.to_thread(fleet.close, 60)
+        exp, converge = await check_against_oracle(fleet, member, bootstrap, topic, stats)
+        converge_from_kill = time.monotonic() - t_kill
+        record_result(
+            "cluster_leader_sigkill",
+            brokers=3,
+            replication_factor=3,
+            min_insync_replicas=2,
+            records_in_flight_at_fault=in_flight,
+            acked_records=exp.acked_records,
+            acked_records_lost=exp.acked_lost,
+            duplicates_in_log=exp.duplicates,
+            first_200_acks_after_kill_s=failover,
+            member_applying_s_after_kill=member_s,
+            converge_s_after_fault=converge_from_kill,
+            converge_s_after_workload_end=converge,
+        )
+    finally:
+        if fleet is not None:
+            await asyncio.to_thread(fleet.close, 5)
+        if member is not None:
+            await member.stop()
+        if killed is not None:
+            await asyncio.to_thread(kafka_cluster.start_node, killed)
+
+
+async def test_rolling_restart_under_load(kafka_cluster):
+    bootstrap = kafka_cluster.bootstrap
+    topic = f"faults-rolling-{uuid.uuid4().hex[:8]}"
+    fleet = member = None
+    down = None
+    try:
+        fleet = await asyncio.to_thread(
+            Fleet, bootstrap, topic, 3, sim={"seed": 41, "workers": 6}, pub={"heartbeat_interval_s": 1.0}
+        )
+        await asyncio.to_thread(fleet.run, 50)
+        await wait_until(lambda: fleet.acked_count() >= 50, 120, "first acknowledgements")
+        await assert_replicated(bootstrap, topic)
+        member = await start_member(bootstrap, topic)
+        fleet.start(pace_s=0.003)
+        await wait_until(lambda: fleet.acked_count() >= 300, 120, "traffic")
+        t0 = time.monotonic()
+        in_flight = []
+        for i in range(len(kafka_cluster.nodes)):
+            before = fleet.acked_count()
+            in_flight.append(fleet.in_flight())
+            down = i
+            # A rolling restart is graceful: controlled shutdown hands leadership over first.
+            await asyncio.to_thread(kafka_cluster.stop_node, i)
+            await wait_until(lambda b=before: fleet.acked_count() >= b + 100, 120, f"acks while node {i} is down")
+            await asyncio.to_thread(kafka_cluster.start_node, i)
+            down = None
+            # The next node goes down only once every replica is back in sync, as an operator does.
+            await wait_fully_replicated(bootstrap, [topic, "__consumer_offsets"])
+        rolling_s = time.monotonic() - t0
+        await wait_until(lambda: member.applier.records >= fleet.acked_count() - 50, 120, "member keeps up")
+        stats = await asyncio.to_thread(fleet.close, 60)
+        exp, converge = await check_against_oracle(fleet, member, bootstrap, topic, stats)
+        record_result(
+            "cluster_rolling_restart",
+            brokers=3,
+            replication_factor=3,
+            min_insync_replicas=2,
+            records_in_flight_at_fault=max(in_flight),
+            records_in_flight_at_each_restart=in_flight,
+            acked_records=exp.acked_records,
+            acked_records_lost=exp.acked_lost,
+            duplicates_in_log=exp.duplicates,
+            rolling_restart_s=rolling_s,
+            converge_s_after_fault=time.monotonic() - t0,
+            converge_s_after_workload_end=converge,
+        )
+    finally:
+        if fleet is not None:
+            await asyncio.to_thread(fleet.close, 5)
+        if member is not None:
+            await member.stop()
+        if down is not None:
+            await asyncio.to_thread(kafka_cluster.start_node, down)
+
+
+async def test_dead_letters_and_snapshots_survive_a_broker_loss(kafka_cluster, tmp_path):
+    bootstrap = kafka_cluster.bootstrap
+    topic = f"faults-dlq-snap-{uuid.uuid4().hex[:8]}"
+    dlq = f"{topic}.dlq"
+    snap_topic = f"{topic}.snapshots"
+    fleet = member = cold = None
+    killed = None
+    bad = 300
+    try:
+        fleet = await asyncio.to_thread(Fleet, bootstrap, topic, 2, sim={"seed": 51}, pub={"heartbeat_interval_s": 1.0})
+        await asyncio.to_thread(fleet.run, 150)
+        await wait_until(lambda: fleet.acked_count() >= 150, 120, "first acknowledgements")
+        snaps = snapshot_store(bootstrap, topic, interval_s=0.2, every_records=50)
+        member = await start_member(bootstrap, topic, snapshots=snaps)
+        # Poison: values no decoder accepts, each must end up as a dead letter.
+        rng = random.Random(5)
+        prod = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+        await prod.start()
+        try:
+            for i in range(bad):
+                await prod.send_and_wait(topic, b"\xff" + rng.randbytes(rng.randrange(1, 64)), key=b"poison%d" % i)
+        finally:
+            await prod.stop()
+        await asyncio.to_thread(fleet.run, 150)
+        await wait_until(lambda: member.applier.metrics.dead_letters._value.get() >= bad, 120, "dead letters sent")
+        await wait_until(lambda: snaps.saved >= 2, 120, "snapshots written")
+        stats = await asyncio.to_thread(fleet.close, 60)
+        assert sum(s.dropped + s.lost + s.failed for s in stats) == 0, stats
+        records = await read_log(bootstrap, topic)
+        exp = build_expected(records, fleet.acks, fleet.epochs)
+        assert exp.acked_lost == 0
+        await wait_until(lambda: diff_index(member.applier.index, exp) is None, 120, "member equal to oracle")
+        saved = snaps.saved
+        await member.stop()  # a clean stop snapshots every partition it holds, at the log end
+        member = None
+        assert snaps.saved >= saved + 2
+        for t in (dlq, snap_topic):
+            await assert_replicated(bootstrap, t)
+
+        # Lose the broker leading the most of the DLQ's and snapshot topic's partitions.
+        leaders = [p["leader"] for t in (dlq, snap_topic) for p in await partitions(bootstrap, t)]
+        victim = max(set(leaders), key=leaders.count)
+        killed = kafka_cluster.node_of(victim)
+        t_kill = time.monotonic()
+        await asyncio.to_thread(kafka_cluster.kill_node, killed)
+        await wait_until(
+            lambda: _led_elsewhere(bootstrap, [dlq, snap_topic], victim), 120, "new leaders for DLQ and snapshots"
+        )
+
+        letters = await read_log(bootstrap, dlq)
+        assert len(letters) >= bad  # a retried send may duplicate a dead letter, never lose one
+        assert {r.key for r in letters} >= {b"poison%d" % i for i in range(bad)}
+
+        # A cold member restores from the snapshot topic while the broker is still down.
+        cold_snaps = snapshot_store(bootstrap, topic)
+        cold = await start_member(bootstrap, topic, snapshots=cold_snaps)
+        assert cold_snaps.loaded == 2 and cold_snaps.rejected == 0, (cold_snaps.loaded, cold_snaps.rejected)
+        converge = await wait_until(lambda: diff_index(cold.applier.index, exp) is None, 120, "cold member = oracle")
+        assert cold.applier.index.digest() == exp.digest()
+        record_result(
+            "cluster_dlq_snapshot_broker_loss",
+            brokers=3,
+            replication_factor=3,
+            min_insync_replicas=2,
+            records_in_flight_at_fault=0,
+            dead_letters_written=bad,
+            dead_letters_read_after_loss=len(letters),
+            acked_records_lost=exp.acked_lost,
+            snapshots_loaded_after_loss=cold_snaps.loaded,
+            converge_s_after_fault=time.monotonic() - t_kill,
+            converge_s_cold_member=converge,
+        )
+    finally:
+        if fleet is not None:
+            await asyncio.to_thread(fleet.close, 5)
+        for m in (member, cold):
+            if m is not None:
+                await m.stop()
+        if killed is not None:
+            await asyncio.to_thread(kafka_cluster.start_node, killed)
+
+
+async def _led_elsewhere(bootstrap: str, topics: list[str], dead: int) -> bool:
+    for t in topics:
+        for p in await partitions(bootstrap, t):
+            if p["leader"] in (dead, -1):
+                return False
+    return True
