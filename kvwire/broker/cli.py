@@ -8,26 +8,39 @@ import time
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Run the local single-node Kafka (KRaft) broker.")
+app = typer.Typer(no_args_is_help=True, help="Run the local Kafka (KRaft): one broker, or a cluster with --brokers N.")
 
 HomeOpt = typer.Option(None, "--home", envvar="KVWIRE_KAFKA_HOME", help="state dir")
 PortOpt = typer.Option(None, "--port", envvar="KVWIRE_KAFKA_PORT", help="broker port (controller = +1)")
+BrokersOpt = typer.Option(
+    1,
+    "--brokers",
+    min=1,
+    help="Brokers: >1 runs a KRaft cluster on one machine (node i on port+2i; default port 19192, "
+    "home <home>/cluster-N), replication 3 and min.insync.replicas 2 from three brokers on",
+)
 
 
-def _broker(home: str | None, port: int | None):
+def _broker(home: str | None, port: int | None, brokers: int = 1):
     from .local import LocalKafka
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    if brokers > 1:
+        from pathlib import Path
+
+        from .cluster import LocalCluster
+
+        return LocalCluster(Path(home) / f"cluster-{brokers}" if home else None, port, brokers)
     return LocalKafka(home, port)
 
 
 @app.command()
-def start(home: str | None = HomeOpt, port: int | None = PortOpt) -> None:
+def start(home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = BrokersOpt) -> None:
     """Start (or find running) and print the bootstrap servers as the last stdout line."""
     from .local import BrokerError
 
     t0 = time.monotonic()
-    kafka = _broker(home, port)
+    kafka = _broker(home, port, brokers)
     try:
         bootstrap = kafka.start()
     except BrokerError as e:
@@ -38,15 +51,20 @@ def start(home: str | None = HomeOpt, port: int | None = PortOpt) -> None:
 
 
 @app.command()
-def status(home: str | None = HomeOpt, port: int | None = PortOpt) -> None:
-    """Exit 0 when the broker runs and answers, 1 otherwise."""
-    st = _broker(home, port).status()
+def status(home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = BrokersOpt) -> None:
+    """Exit 0 when the broker (every broker of a cluster) runs and answers, 1 otherwise."""
+    kafka = _broker(home, port, brokers)
+    if brokers > 1:
+        cst = kafka.status()
+        typer.echo(f"{sum(cst.running)}/{len(cst.running)} running {cst.bootstrap}")
+        raise typer.Exit(0 if cst.all_running else 1)
+    st = kafka.status()
     typer.echo(f"{'running' if st.running else 'not running'} {st.bootstrap} pid={st.pid}")
     raise typer.Exit(0 if st.running else 1)
 
 
 @app.command()
-def stop(home: str | None = HomeOpt, port: int | None = PortOpt) -> None:
+def stop(home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = BrokersOpt) -> None:
     """Graceful stop; SIGKILL after 30 s. Data is kept."""
-    _broker(home, port).stop()
+    _broker(home, port, brokers).stop()
     typer.echo("stopped", err=True)
