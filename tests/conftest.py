@@ -5,9 +5,10 @@ Without a broker they skip locally but FAIL under CI=true, so CI can never go gr
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
+import tc_broker
 from ci_env import unavailable
 from kafka_admin import create_topics, delete_topics
 
@@ -22,16 +23,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 @pytest.fixture(scope="session")
-def kafka_bootstrap() -> str:
+def kafka_bootstrap() -> Iterator[str]:
     # A LocalKafka started here is left running for the next session (.ci/run stops it);
     # env-provided brokers are never touched, testcontainers are removed at interpreter exit.
+    # KVWIRE_TEST_BROKER=testcontainers: our broker image in a container, removed after the session.
+    if tc_broker.requested():
+        yield from tc_broker.container_broker()
+        return
     from kvwire.broker import resolve_bootstrap
 
     try:
-        return resolve_bootstrap()
+        bootstrap = resolve_bootstrap()
     except Exception as e:
         reason = f"no Kafka broker could be had: {e}"
         unavailable(reason)
+    yield bootstrap
 
 
 @pytest.fixture

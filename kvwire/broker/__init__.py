@@ -29,6 +29,11 @@ log = logging.getLogger("kvwire.broker")
 _containers: list[DockerKafka] = []
 
 
+def _stop_containers() -> None:
+    for c in _containers:
+        c.stop()
+
+
 def resolve_bootstrap() -> str:
     """Bootstrap servers of a broker that answers; raises BrokerError saying why none could be had."""
     env = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip()
@@ -42,7 +47,7 @@ def resolve_bootstrap() -> str:
             bootstrap = dk.start()
             _containers.append(dk)
             if len(_containers) == 1:
-                atexit.register(lambda: [c.stop() for c in _containers])
+                atexit.register(_stop_containers)
             return bootstrap
         except Exception as e:  # an engine that answers ping can still fail to pull/run
             errors.append(f"docker: {e}")

@@ -68,3 +68,51 @@ def stop(home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = 
     """Graceful stop; SIGKILL after 30 s. Data is kept."""
     _broker(home, port, brokers).stop()
     typer.echo("stopped", err=True)
+
+
+@app.command()
+def image(
+    base: str | None = typer.Option(
+        None, "--base", help="Debian bookworm image to build FROM (pulled); default: a local debootstrap base"
+    ),
+    engine: str | None = typer.Option(None, "--engine", help="podman or docker; default: the first that answers"),
+    app_checkout: str | None = typer.Option(
+        None, "--app", help="also build the project's own image (index/demo) from this checkout's Dockerfile"
+    ),
+) -> None:
+    """Build the broker image (localhost/kvwire-kafka:<version>) and print its reference last."""
+    from pathlib import Path
+
+    from . import image as images
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    t0 = time.monotonic()
+    try:
+        exe = images.find_engine(engine)
+        ref = images.build_kafka(exe, base)
+        if app_checkout:
+            app_ref = images.build_app(Path(app_checkout), exe, base)
+            typer.echo(f"app image: {app_ref}", err=True)
+    except images.ImageError as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"image ready in {time.monotonic() - t0:.1f}s ({Path(exe).name})", err=True)
+    typer.echo(ref)
+
+
+@app.command()
+def wait(
+    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS"),
+    timeout: float = typer.Option(120.0, "--timeout", help="seconds before giving up (exit 1)"),
+) -> None:
+    """Block until the broker answers a metadata round trip: the readiness wait a compose service
+    runs before its command, since healthcheck-gated depends_on needs systemd under podman."""
+    from . import probe
+
+    t0 = time.monotonic()
+    while not probe.answers(bootstrap_servers, 5.0):
+        if time.monotonic() - t0 > timeout:
+            typer.echo(f"Kafka at {bootstrap_servers} not ready after {timeout:.0f}s", err=True)
+            raise typer.Exit(1)
+        time.sleep(0.5)
+    typer.echo(f"Kafka at {bootstrap_servers} ready after {time.monotonic() - t0:.1f}s", err=True)
