@@ -17,19 +17,23 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import functools
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, encode
 from kvwire.schemas.events import EventBatch, KVEvent, WorkerId
 
 from .config import PublisherConfig
 from .partitioner import default_partition
+
+if TYPE_CHECKING:
+    from aiokafka import AIOKafkaProducer
 
 __all__ = ["AckInfo", "KafkaPublisher", "PublisherConfig", "RankStream", "StreamStats"]
 
@@ -322,14 +326,15 @@ class KafkaPublisher:
         self._idle = False
         self._unreachable = False
         self._started = False
-        self._producer = None
+        self._producer: AIOKafkaProducer | None = None
         self._num_partitions: int | None = None
         self._unacked = 0
         self._acked_total = 0
         self._tasks: list[asyncio.Task] = []
         self._deadline = float("inf")
         self._loop = asyncio.new_event_loop()
-        self._wake_ev: asyncio.Event | None = None
+        # Made in the loop thread (an Event binds to its loop); set before any task runs.
+        self._wake_ev: asyncio.Event = None  # type: ignore[assignment]
         ready = threading.Event()
         self._thread = threading.Thread(target=self._thread_main, args=(ready,), name="kvwire-publisher", daemon=True)
         self._thread.start()
@@ -535,14 +540,17 @@ class KafkaPublisher:
             return
         st.spent(item, batch)
         self._unacked += 1
-        fut.add_done_callback(lambda f, st=st, e=batch.epoch, s=batch.seq, g=batch.gap: self._delivered(f, st, e, s, g))
+        fut.add_done_callback(
+            functools.partial(self._delivered, st=st, epoch=batch.epoch, seq=batch.seq, gap=batch.gap)
+        )
 
-    async def _append(self, value: bytes, st: RankStream, partition: int, ts_us: int) -> asyncio.Future | None:
+    async def _append(self, value: bytes, st: RankStream, partition: int, ts_us: int) -> asyncio.Future[Any] | None:
         """Appends to the producer; retries what is retriable until close() gives up on it."""
         from aiokafka.errors import KafkaError, KafkaTimeoutError
 
         cfg = self.config
         while True:
+            assert self._producer is not None  # the pump starts it before sending
             try:
                 return await self._producer.send(
                     cfg.topic, value, key=st.key, partition=partition, timestamp_ms=ts_us // 1000, headers=HEADERS
@@ -558,7 +566,7 @@ class KafkaPublisher:
                 log.error("%s: record refused: %s: %s", st.worker.rank, type(e).__name__, e)
                 return None
 
-    def _delivered(self, fut: asyncio.Future, st: RankStream, epoch: int, seq: int, gap: int) -> None:
+    def _delivered(self, fut: asyncio.Future[Any], *, st: RankStream, epoch: int, seq: int, gap: int) -> None:
         self._unacked -= 1
         if fut.cancelled() or fut.exception() is not None:
             # Only non-retriable broker errors get here (idempotent batches never expire while a

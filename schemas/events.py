@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from msgspec.structs import force_setattr as _force
@@ -25,14 +26,20 @@ BlockHash = int | bytes
 # One block's extra hash keys: LoRA name, (mm identifier, offset) pairs,
 # cache_salt, prompt-embeds digest. Values are str/int/float/bool/bytes/None or
 # a tuple of those.
-ExtraKeys = tuple
+ExtraKeys = tuple[object, ...]
+
+# array is generic only to type checkers before Python 3.12; msgspec evaluates annotations at run time.
+if TYPE_CHECKING:
+    TokenArray = array[int]
+else:
+    TokenArray = array
 
 GPU = "GPU"
 CPU = "CPU"
 STORAGE = "STORAGE"
 
 
-def token_array(token_ids: Iterable[int]) -> array:
+def token_array(token_ids: Iterable[int]) -> TokenArray:
     """Token ids as a packed uint32 array: the form the codec and index use.
 
     Packing once here lets the index hash raw bytes instead of Python ints.
@@ -83,7 +90,7 @@ class BlockStored(msgspec.Struct, frozen=True):
     parent_block_hash: BlockHash | None
     # Tokens of all blocks concatenated; len == block_size * len(block_hashes)
     # for a well-formed event (LMCache violates this; its adapter repairs it).
-    token_ids: array
+    token_ids: TokenArray
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
@@ -165,7 +172,7 @@ def stored(
     token_ids: Iterable[int],
     block_size: int,
     parent_block_hash: BlockHash | None = None,
-    **kw,
+    **kw: Any,
 ) -> BlockStored:
     """Keyword-friendly constructor for tests, simulators and adapters."""
     return BlockStored(tuple(block_hashes), parent_block_hash, token_array(token_ids), block_size, **kw)

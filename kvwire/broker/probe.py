@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
 
 
-def run_sync(factory: Callable[[], Awaitable[T]]) -> T:
+def run_sync(factory: Callable[[], Coroutine[Any, Any, T]]) -> T:
     """Run a coroutine to completion from sync code, even when the caller is inside an event loop
     (async tests, the CLI under an embedding app): a private loop in a private thread."""
     try:
