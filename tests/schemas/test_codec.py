@@ -4,9 +4,11 @@ bytes that always end in one typed error."""
 from __future__ import annotations
 
 import io
+import json
 import struct
 
 import fastavro
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -174,6 +176,136 @@ def test_v2_writer_read_by_plain_fastavro_with_v1_reader_schema():
     assert rec["epoch"] == -42 and rec["reset"] is True
 
 
+# Every branch extra_keys can hold, alone and inside the nested array, incl. bytes that are valid
+# UTF-8 (fastavro's resolver used to turn those into str silently) and bytes that are not (it used
+# to fail the record).
+EXTRA_KEY_TYPES = {
+    "null": None,
+    "boolean": True,
+    "long": -(2**63),
+    "double": 2.5,
+    "string": "sql-lora",
+    "bytes-utf8": b"abc",
+    "bytes-binary": b"\xff\xfe\x00",
+    "bytes-empty": b"",
+}
+EXTRA_KEYS = {
+    **{k: (v,) for k, v in EXTRA_KEY_TYPES.items()},
+    **{f"array<{k}>": ((v, v),) for k, v in EXTRA_KEY_TYPES.items()},
+    "mm-pair": (("mm-image", 16),),
+    "mixed": ("lora", ("img", 0), b"\x80digest", 3, None, 1.0, False),
+}
+
+
+def _expected(batch: EventBatch, writer: int) -> EventBatch:
+    # v1 has no `source`: a v2 reader sees the default.
+    return msgspec.structs.replace(batch, source=batch.source if writer >= 2 else "")
+
+
+@pytest.mark.parametrize("writer", sorted(codec.VERSIONS))
+@pytest.mark.parametrize("key_type", sorted(EXTRA_KEYS))
+def test_every_writer_version_with_every_extra_key_type(writer, key_type):
+    keys = EXTRA_KEYS[key_type]
+    batch = EventBatch(
+        WorkerId("w", 1, 0, 2, "m"),
+        3,
+        4,
+        5,
+        (stored([1, 2], range(8), 4, extra_keys=(keys, None), medium="GPU"),),
+        source="vllm-connector",
+    )
+    for reader in codec.VERSIONS:
+        data = encode(batch, version=writer)
+        got = decode(data, reader=reader)
+        assert got.events == batch.events, (writer, reader, key_type)
+        assert [type(k) for k in got.events[0].extra_keys[0]] == [type(k) for k in keys]
+        if reader == codec.CURRENT.version:
+            assert got == _expected(batch, writer)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_every_writer_version_round_trips_to_the_current_reader(batch):
+    for writer in codec.VERSIONS:
+        assert decode(encode(batch, version=writer)) == _expected(batch, writer)
+
+
+def test_a_registry_writer_kvwire_does_not_ship_resolves_to_the_reader():
+    # A newer producer's schema, as a registry would hand it over: a field added at the top with
+    # a default, one in a nested record, and one removed (all that FULL allows).
+    raw = json.loads(json.dumps(codec.CURRENT.raw))
+    raw["fields"] = [f for f in raw["fields"] if f["name"] != "engine_ts"]
+    raw["fields"].append({"name": "region", "type": "string", "default": "eu"})
+    raw["fields"][0]["type"]["fields"].append({"name": "host", "type": ["null", "string"], "default": None})
+    ids = codec.SchemaIds()
+    newer = ids.add(77, json.dumps(raw))
+    assert newer.version == 0 and newer.fingerprint not in codec.BY_FINGERPRINT
+    rec = codec.batch_to_record(_sample_batch())
+    del rec["engine_ts"]
+    rec["region"] = "us"
+    rec["worker"]["host"] = "h1"
+    buf = io.BytesIO()
+    fastavro.schemaless_writer(buf, newer.parsed, rec)
+    got = decode(codec.confluent_header(77) + buf.getvalue(), ids=ids)
+    assert got == msgspec.structs.replace(_sample_batch(), engine_ts=None)  # the reader's default
+    assert "region" not in codec.decode_record(codec.confluent_header(77) + buf.getvalue(), ids=ids)
+
+
+# ------------------------------------------------------------ Confluent framing
+
+
+def test_confluent_framing_is_magic_zero_then_big_endian_id():
+    batch = _sample_batch()
+    data = encode(batch, schema_id=0x01020304)
+    assert data[:5] == b"\x00\x01\x02\x03\x04"
+    assert data[5:] == encode(batch)[10:]  # the same Avro body as single-object
+    assert codec.framing(data) == codec.CONFLUENT and codec.framing(encode(batch)) == codec.SINGLE_OBJECT
+    assert codec.confluent_id(data) == 0x01020304 and codec.confluent_id(encode(batch)) is None
+    with pytest.raises(EncodeError):
+        encode(batch, schema_id=1 << 32)
+
+
+@pytest.mark.parametrize("writer", sorted(codec.VERSIONS))
+def test_confluent_records_decode_through_the_id_cache(writer):
+    ids = codec.SchemaIds()
+    batch = _sample_batch()
+    data = encode(batch, version=writer, schema_id=9)
+    assert ids.missing([data, encode(batch), None, b"\x00"]) == {9}
+    with pytest.raises(DecodeError, match="schema id 9 not resolved"):
+        decode(data, ids=ids)
+    # whitespace and docs differ from the shipped text; the canonical form maps it to the version
+    sv = ids.add(9, json.dumps(codec.VERSIONS[writer].raw, indent=2))
+    assert sv is codec.VERSIONS[writer]
+    assert ids.missing([data]) == set()
+    assert codec.writer_version(data, ids) is codec.VERSIONS[writer]
+    assert decode(data, ids=ids) == _expected(batch, writer)
+
+
+def test_unknown_and_foreign_ids_carry_their_reason():
+    ids = codec.SchemaIds()
+    ids.refuse(5, "schema id 5 is not known to the schema registry at http://r")
+    with pytest.raises(DecodeError, match="not known to the schema registry"):
+        decode(encode(_sample_batch(), schema_id=5), ids=ids)
+    with pytest.raises(codec.CodecError, match=r"not dev\.kvwire\.EventBatch"):
+        ids.add(6, '{"type":"record","name":"Other","fields":[]}')
+    with pytest.raises(codec.CodecError, match="unusable"):
+        ids.add(6, "{not json")
+    ids.add(7, codec.VERSIONS[1].registry_text)
+    with pytest.raises(codec.CodecError, match="another schema"):
+        ids.add(7, codec.VERSIONS[2].registry_text)
+
+
+def test_the_default_cache_serves_decode_without_arguments():
+    # The Rust fast path falls back to codec.decode(value): the consumer's prefetch fills SCHEMA_IDS.
+    sid = 0xFFFFFFF0
+    data = encode(_sample_batch(), schema_id=sid)
+    try:
+        codec.SCHEMA_IDS.add(sid, codec.CURRENT.registry_text)
+        assert decode(data) == _sample_batch()
+    finally:
+        codec.SCHEMA_IDS.clear()
+
+
 def test_fingerprints_are_crc64_avro_of_canonical_form():
     for sv in codec.VERSIONS.values():
         # wire order (little-endian) is fastavro's hex; Java's %016x is its reverse
@@ -192,7 +324,8 @@ GOOD = encode(_sample_batch())
     [
         (b"", "truncated"),
         (b"\xc3", "truncated"),
-        (b"\x00\x01" + GOOD[2:], "bad magic"),
+        (b"\x01\x01" + GOOD[2:], "bad magic"),
+        (b"\x00\x00\x00", "Confluent header"),
         (GOOD[:2] + b"\x00" * 8 + GOOD[10:], "unknown schema fingerprint"),
         (GOOD[:-3], "invalid Avro body"),
         (GOOD + b"\x00", "trailing"),
