@@ -224,6 +224,9 @@ class IndexMember:
                 continue
             try:
                 await asyncio.wait_for(task, 10)
+            except asyncio.CancelledError:
+                if not task.cancelled():
+                    raise  # we are being cancelled ourselves, not just reaping a cancelled task
             except (TimeoutError, Exception) as e:  # stopping must not raise
                 log.warning("%s ended badly: %r", task.get_name(), e)
         try:

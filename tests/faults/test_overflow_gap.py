@@ -3,7 +3,9 @@ record's gap; the index keeps applying the worker's records but no longer trusts
 nothing and /v1/workers says why. The worker's next reset (a new epoch) makes it trusted again.
 
 The overflow is real publisher code under a real burst: the publisher's loop thread is stalled
-(as a long GC pause or a slow send would) while the engine keeps publishing past queue_size."""
+(as a long GC pause or a slow send would) while the engine keeps publishing past queue_size.
+Deterministic under any load: the stall lasts until the burst is over (not a fixed time), and
+every other step runs in chunks flushed in between, so only the burst can overflow the buffer."""
 
 from __future__ import annotations
 
@@ -32,15 +34,29 @@ pytestmark = pytest.mark.integration
 QUEUE = 64
 
 
-def _stall_publisher(fleet: Fleet, seconds: float) -> None:
+def _stall_publisher(fleet: Fleet, release: threading.Event) -> None:
+    """Block the publisher's loop until ``release`` is set (bounded, so a failing test ends)."""
     started = threading.Event()
 
     def stall() -> None:
         started.set()
-        time.sleep(seconds)
+        release.wait(120)
 
     fleet.pub._loop.call_soon_threadsafe(stall)
-    started.wait(10)
+    assert started.wait(60), "publisher loop never ran the stall"
+
+
+# Steps per chunk outside the burst: with 3 workers, 20 steps stay well under QUEUE records
+# (the warm-up checks that nothing is refused), and the buffer is flushed after each chunk.
+CHUNK = 20
+
+
+async def _run_flushed(fleet: Fleet, steps: int) -> None:
+    while steps > 0:
+        n = min(CHUNK, steps)
+        await asyncio.to_thread(fleet.run, n)
+        steps -= n
+        await wait_until(lambda: fleet.in_flight() == 0, 60, "fleet flushed")
 
 
 async def _state(client: TestClient, fleet: Fleet, prompts):
@@ -78,26 +94,29 @@ async def test_overflow_gap_untrusts_until_next_reset(kafka_bootstrap, new_topic
         stream = fleet.streams[sim.ranks[w][0]]
         # Warm-up in small steps: the buffer is small on purpose and must not overflow yet.
         await wait_until(lambda: fleet.acked_count() >= len(fleet.streams), 60, "publisher connected")
-        for _ in range(5):
-            await asyncio.to_thread(fleet.run, 20)
-            await wait_until(lambda: fleet.in_flight() == 0, 60, "fleet flushed")
+        await _run_flushed(fleet, 5 * CHUNK)
         assert fleet.refused == 0
         prompts = [list(sim.system_prompts[i]) for i in range(len(sim.system_prompts))] + score_requests(sim, 20)
 
         # The burst: the victim serves requests while its publisher cannot drain.
         def burst() -> int:
-            _stall_publisher(fleet, 1.0)
-            for _ in range(3 * QUEUE):
-                sim.serve(w, sim.next_request().token_ids)
+            release = threading.Event()
+            _stall_publisher(fleet, release)
+            try:
+                for _ in range(3 * QUEUE):
+                    sim.serve(w, sim.next_request().token_ids)
+                return fleet.in_flight()
+            finally:
+                release.set()
 
-        await asyncio.to_thread(burst)
-        in_flight = fleet.in_flight()
+        in_flight = await asyncio.to_thread(burst)
+        assert in_flight == QUEUE  # the buffer was full when the burst ended
         await wait_until(lambda: fleet.in_flight() == 0, 60, "stall over, buffer drained")
         dropped = stream.stats().dropped
         assert dropped > 0 and fleet.refused == dropped
         # The gap rides on the victim's next record.
-        await asyncio.to_thread(lambda: (sim.serve(w, sim.next_request().token_ids), fleet.run(30)))
-        await wait_until(lambda: fleet.in_flight() == 0, 60, "burst flushed")
+        await asyncio.to_thread(sim.serve, w, sim.next_request().token_ids)
+        await _run_flushed(fleet, 30)
         assert sum(s.gap_sent for s in fleet.pub.stats()) == dropped
         records = await read_log(kafka_bootstrap, topic)
         mid = build_expected(records, list(fleet.acks), fleet.epochs)
@@ -121,7 +140,7 @@ async def test_overflow_gap_untrusts_until_next_reset(kafka_bootstrap, new_topic
         # The worker restarts: a new epoch, its reset record, trusted again.
         t_reset = time.monotonic()
         sim.restart(w)
-        await asyncio.to_thread(fleet.run, 100)
+        await _run_flushed(fleet, 100)
         stats = await asyncio.to_thread(fleet.close, 60)
         assert sum(s.lost + s.failed for s in stats) == 0 and sum(s.dropped for s in stats) == dropped
         records = await read_log(kafka_bootstrap, topic)

@@ -279,7 +279,7 @@ async def test_index_builds_from_secure_topic_with_env_credentials(secure_kafka,
         rc = proc.stop()
     out = proc.output()
     assert metrics_status == 200
-    assert json.loads(health) == {"ready": True}
+    assert json.loads(health) == {"ready": True, "healthy": True}
     assert mine(workers)[0]["trusted"] is True
     assert "Authenticated as kvwire" in out  # it really spoke SCRAM, at DEBUG
     assert rc == 0, out[-3000:]
