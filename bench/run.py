@@ -215,71 +215,6 @@ def summarize(res: dict, errors: dict) -> dict:
     return s
 
 
-def _fmt(v, unit="", digits=3):
-    if v is None:
-        return "n/a"
-    if isinstance(v, float) and abs(v) < 100:
-        return f"{v:.{digits}g}{unit}"
-    return f"{round(v):,}{unit}"
-
-
-def markdown_table(s: dict, res: dict) -> str:
-    """Ours beside the anchors' published figures (theirs are quoted, not measured here)."""
-    sc = res.get("score_latency") or {}
-    label, row = _largest(sc.get("sizes", {}))
-    over = f" over {label} holder-blocks" if label else ""
-    p50 = lambda mode: row["8k"][mode]["p50"] if row and "8k" in row else None
-    cpu99 = lambda mode: row["8k"]["cpu_time"][mode]["p99"] if row and "cpu_time" in row.get("8k", {}) else None
-    lg = res.get("lag") or {}
-    mu = lg.get("max_unsaturated") or {}
-    rows = [
-        (
-            "Apply, blocks/s, one process (Kafka fetch + Avro decode + fence + index)",
-            _fmt(s["apply_blocks_per_s"]),
-            'SGLang SMG: 4.6-5.5M blocks/s writes (Rust, in memory, no decode); Dynamo: "170M ops/s" on 24 cores',
-        ),
-        (
-            f"Score 8k tokens{over}, 256 workers, no hashing, p50 / p99 (on-CPU p99)",
-            f"{_fmt(p50('without_hashing'), ' us')} / {_fmt(s['score_p99_us_8k_tokens_no_hashing'], ' us')} ({_fmt(cpu99('without_hashing'), ' us')})",
-            "SGLang SMG: 292 ns / 7.6 us (hashing excluded)",
-        ),
-        (
-            f"Score 8k tokens{over}, with hashing, p50 / p99 (on-CPU p99)",
-            f"{_fmt(p50('with_hashing'), ' us')} / {_fmt(s['score_p99_us_8k_tokens'], ' us')} ({_fmt(cpu99('with_hashing'), ' us')})",
-            "not published",
-        ),
-        (
-            "Index bytes per holder-block",
-            _fmt(s["bytes_per_holder_block"], " B"),
-            "SGLang SMG: 26.9 B; AIBrix: ~64 B/entry (claim)",
-        ),
-        (
-            "Event-to-index lag p99 (publish() to applied)",
-            f"{_fmt(s['lag_p99_ms'], ' ms')} at {_fmt(mu.get('offered_blocks_per_s'))} blocks/s offered; saturates at {_fmt(lg.get('saturated_at_offered_blocks_per_s'))}",
-            "Dynamo: p99 0.6-0.8 ms at 120-255k ops/s, 7k workers; nobody else publishes one",
-        ),
-        (
-            "publish() on the engine thread, p99.9: Kafka up / Kafka down",
-            f"{_fmt(s['publish_p999_us_kafka_up'], ' us')} / {_fmt(s['publish_p999_us_kafka_down'], ' us')}",
-            f"vLLM ZmqEventPublisher: blocking Queue.put (#53859); that pattern measured here: {_fmt(s['publish_p999_us_blocking_queue'], ' us')}",
-        ),
-        (
-            "Decode speed vs vLLM msgpack / vs LMCache JSON (x)",
-            f"{_fmt(s['codec_decode_speedup_vs_msgpack'], 'x')} / {_fmt(s['codec_decode_speedup_vs_json'], 'x')}",
-            "msgpack/JSON decoded to plain structs/dicts; ours to typed events",
-        ),
-        ("Wire bytes vs vLLM msgpack", _fmt(s["codec_bytes_ratio_vs_msgpack"], "x"), "vLLM msgpack = 1x"),
-        (
-            "Replay, blocks/s / cold start, s per million blocks",
-            f"{_fmt(s['replay_blocks_per_s'])} / {_fmt(s['cold_start_s_per_million_blocks'], ' s')}",
-            "none has a replayable log; sgl-kv-indexer restart: 17% blind routing (in memory)",
-        ),
-    ]
-    out = ["| | kvwire (ours, measured here) | others (theirs, published) |", "|---|---|---|"]
-    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return "\n".join(out) + "\n"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = ap.add_mutually_exclusive_group()
@@ -355,7 +290,13 @@ def main(argv=None) -> int:
     path = RESULTS / "summary.json"
     RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(summary, indent=2) + "\n")
-    (RESULTS / "table.md").write_text(markdown_table(summary, res))
+    from . import report
+
+    figures = report.load(RESULTS)
+    (RESULTS / "table.md").write_text(report.results_table(figures) + "\n")
+    if RESULTS.resolve() == report.RESULTS.resolve():  # a temp results folder never touches the READMEs
+        for p in report.write(figures):
+            print(f"updated {p.relative_to(report.ROOT)}", file=sys.stderr)
     print(json.dumps({k: v for k, v in summary.items() if k != "notes"}, indent=2))
     print("wrote", path)
     return 1 if errors else 0

@@ -1,0 +1,277 @@
+"""README figures, generated. Every number about kvwire's speed or size in README.md and
+bench/README.md comes from ``bench/results/*.json`` through this module, never typed in by hand.
+
+Each generated block sits between ``<!-- figures:NAME -->`` and ``<!-- /figures:NAME -->``.
+``kvwire bench`` rewrites the blocks after a run; ``python -m bench.report`` does it from the
+JSON on disk, ``--check`` only compares (tests/bench/test_report.py runs it, so a README figure
+that disagrees with its JSON fails the suite).
+
+The anchors' columns are their published figures, quoted (``../shared/reference/anchors.md``),
+not measurements: they are constants here on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+READMES = (ROOT / "README.md", ROOT / "bench" / "README.md")
+
+Results = dict[str, Any]  # step name -> its JSON
+
+# summary key -> (target, "min" if the figure must reach it, "max" if it must stay under it, what)
+TARGETS: dict[str, tuple[float, str, str]] = {
+    "apply_core_blocks_per_s": (5_000_000, "min", "apply, pre-fetched record bytes → decode, fence, index"),
+    "apply_blocks_per_s": (2_000_000, "min", "apply through the broker, one member"),
+    "score_p99_us_8k_tokens": (100, "max", "score p99 µs, 8k tokens, 10M holder-blocks, 256 workers, top_k 16"),
+    "score_p99_us_8k_tokens_all_workers": (250, "max", "same, every matched worker returned"),
+    "score_p99_us_under_ingest": (250, "max", "same query while the member applies 1M blocks/s"),
+    "bytes_per_holder_block": (32, "max", "index bytes per holder-block at 10M"),
+    "lag_p99_ms": (50, "max", "publish() → applied p99 ms"),
+    "first_score_ms_after_ready": (50, "max", "first score after ready, ms"),
+    "replay_blocks_per_s": (2_000_000, "min", "replay blocks/s"),
+    "http_score_rps_c32": (10_000, "min", "HTTP scores/s, binary body, 32 clients"),
+    "http_score_p99_ms_c32": (5, "max", "HTTP score p99 ms, 32 clients"),
+    "http_score_p50_us_c1": (150, "max", "HTTP score p50 µs, one client"),
+}
+
+
+def load(results: Path = RESULTS) -> Results:
+    out: Results = {}
+    for p in sorted(results.glob("*.json")):
+        try:
+            out[p.stem] = json.loads(p.read_text())
+        except ValueError:
+            continue
+    return out
+
+
+def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return str(v)
+    if abs(v) < 100 and not (isinstance(v, int) or float(v).is_integer()):
+        return f"{v:.{digits}g}{unit}"
+    return f"{round(v):,}{unit}"
+
+
+def _get(d: Any, *path: str) -> Any:
+    for k in path:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _largest(sizes: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
+    if not sizes:
+        return None, None
+    label = max(sizes, key=lambda k: float(k.rstrip("MK")) * (1e6 if k.endswith("M") else 1e3))
+    return label, sizes[label]
+
+
+def results_table(res: Results) -> str:
+    """Ours beside the anchors' published figures."""
+    s = res.get("summary", {})
+    g = s.get
+    sc = res.get("score_latency") or {}
+    label, row = _largest(sc.get("sizes", {}))
+    over = f" over {label} holder-blocks" if label else ""
+    p50 = _get(row, "8k", "with_hashing", "p50")
+    cpu99 = _get(row, "8k", "cpu_time", "with_hashing", "p99")
+    lg = res.get("lag") or {}
+    rows = [
+        (
+            "Apply, blocks/s, pre-fetched records (decode + fence + index)",
+            fmt(g("apply_core_blocks_per_s")),
+            "SGLang SMG: 4.6-5.5M blocks/s writes (Rust, in memory, no decode); Dynamo: 170M block-ops/s on 24 cores",
+        ),
+        (
+            "Apply, blocks/s, one member through the broker (fetch + decode + fence + index)",
+            fmt(g("apply_blocks_per_s")),
+            "not published",
+        ),
+        (
+            f"Score 8k tokens{over}, 256 workers, hashing included, p50 / p99 (on-CPU p99)",
+            f"{fmt(p50, ' µs')} / {fmt(g('score_p99_us_8k_tokens'), ' µs')} ({fmt(cpu99, ' µs')})",
+            "SGLang SMG: 292 ns / 7.6 µs (hashing excluded)",
+        ),
+        (
+            f"Score 8k tokens{over}, no hashing, p99",
+            fmt(g("score_p99_us_8k_tokens_no_hashing"), " µs"),
+            "as above",
+        ),
+        (
+            "Index bytes per holder-block",
+            fmt(g("bytes_per_holder_block"), " B"),
+            "SGLang SMG: 26.9 B; AIBrix: ~64 B/entry (claim)",
+        ),
+        (
+            "Event-to-index lag p99 (publish() to applied)",
+            f"{fmt(g('lag_p99_ms'), ' ms')} at {fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))} blocks/s "
+            f"offered; saturates at {fmt(lg.get('saturated_at_offered_blocks_per_s'))}",
+            "Dynamo: p99 0.6-0.8 ms at 120-255k ops/s, 7k workers; nobody else publishes one",
+        ),
+        (
+            "publish() on the engine thread, p99.9: Kafka up / Kafka down",
+            f"{fmt(g('publish_p999_us_kafka_up'), ' µs')} / {fmt(g('publish_p999_us_kafka_down'), ' µs')}",
+            "vLLM ZmqEventPublisher: blocking Queue.put (#53859); that pattern measured here: "
+            + fmt(g("publish_p999_us_blocking_queue"), " µs"),
+        ),
+        (
+            "Decode speed vs vLLM msgpack / vs LMCache JSON (x)",
+            f"{fmt(g('codec_decode_speedup_vs_msgpack'), 'x')} / {fmt(g('codec_decode_speedup_vs_json'), 'x')}",
+            "msgpack/JSON decoded to plain structs/dicts; ours to typed events",
+        ),
+        ("Wire bytes vs vLLM msgpack", fmt(g("codec_bytes_ratio_vs_msgpack"), "x"), "vLLM msgpack = 1x"),
+        (
+            "Replay, blocks/s / cold start, s per million blocks",
+            f"{fmt(g('replay_blocks_per_s'))} / {fmt(g('cold_start_s_per_million_blocks'), ' s')}",
+            "none has a replayable log; sgl-kv-indexer restart: 17% blind routing (in memory)",
+        ),
+    ]
+    run = _get(s, "notes", "run") or {}
+    head = (
+        f"`kvwire bench` ({run.get('mode', 'unknown')} run, {fmt(run.get('seconds'), ' s')}, load average at the end "
+        f"{', '.join(fmt(x) for x in run.get('load_avg_at_end', [])) or 'n/a'}):\n\n"
+    )
+    out = ["| | kvwire (ours, measured here) | others (theirs, published) |", "|---|---|---|"]
+    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
+    return head + "\n".join(out)
+
+
+def targets_table(res: Results) -> str:
+    s = res.get("summary", {})
+    out = ["| summary key | what | target | measured | |", "|---|---|---|---|---|"]
+    for key, (target, sense, what) in TARGETS.items():
+        v = s.get(key)
+        if v is None:
+            verdict = "not measured" + (f": {s['notes'][key]}" if key in s.get("notes", {}) else "")
+        else:
+            ok = v >= target if sense == "min" else v <= target
+            verdict = "met" if ok else "missed"
+        bound = ("≥ " if sense == "min" else "≤ ") + fmt(target)
+        out.append(f"| `{key}` | {what} | {bound} | {fmt(v)} | {verdict} |")
+    return "\n".join(out)
+
+
+def codec_paragraph(res: Results) -> str:
+    c = res.get("codec") or {}
+    packed = _get(c, "codecs", "kvwire_avro_packed") or {}
+    arr = _get(c, "codecs", "avro_array_long") or {}
+    bpr = c.get("blocks_per_record")
+    ratio = c.get("packed_vs_array_decode_speedup")
+    extra = ""
+    if packed.get("bytes_per_block") and arr.get("bytes_per_block"):
+        more = packed["bytes_per_block"] / arr["bytes_per_block"] - 1
+        extra = f" — packed is {fmt(ratio, 'x')} faster to decode for {more:.0%} more bytes"
+    return (
+        f"Codec representation (`python -m bench.codec`, {fmt(bpr)} blocks per record): token ids and hashes "
+        f"packed in Avro `bytes` decode at {fmt(packed.get('decode_records_per_s'))} records/s "
+        f"({fmt(packed.get('decode_blocks_per_s'))} blocks/s) and encode at {fmt(packed.get('encode_records_per_s'))} "
+        f"records/s, {fmt(packed.get('bytes_per_block'))} B per block; the same contract with `array<long>` decodes "
+        f"at {fmt(arr.get('decode_records_per_s'))} records/s and encodes at {fmt(arr.get('encode_records_per_s'))} "
+        f"records/s, {fmt(arr.get('bytes_per_block'))} B per block{extra}."
+    )
+
+
+def replay_sentence(res: Results) -> str:
+    r = res.get("replay") or {}
+    label, row = _largest({k: v for k, v in r.items() if re.fullmatch(r"\d+[MK]", k)})
+    if not row:
+        return "Cold start from a snapshot + tail against a full replay: not measured yet (`python -m bench.replay`)."
+    return (
+        f"On assignment a member loads the newest snapshot and replays only the tail: "
+        f"{fmt(row.get('cold_start_s'), ' s')} for {label} holder-blocks, against {fmt(row.get('replay_s'), ' s')} "
+        f"for a full replay; a snapshot costs {fmt(row.get('snapshot_bytes_per_holder_block'), ' B')} per holder-block "
+        f"(`python -m bench.replay`)."
+    )
+
+
+def faults_table(res: Results) -> str:
+    f = res.get("faults") or {}
+    out = [
+        "| fault | records in flight at the fault | acknowledged records lost | time to converge |",
+        "|---|---|---|---|",
+    ]
+    for name in sorted(f):
+        e = f[name]
+        if not isinstance(e, dict) or "acked_records_lost" not in e:
+            continue
+        in_flight = e.get("records_in_flight_at_fault", e.get("records_in_flight_at_faults_max"))
+        converge = [(k.removeprefix("converge_s_"), v) for k, v in sorted(e.items()) if k.startswith("converge_s_")]
+        conv = "; ".join(f"{fmt(v, ' s')} {k.replace('_', ' ')}" for k, v in converge) or "n/a"
+        out.append(f"| {name.replace('_', ' ')} | {fmt(in_flight)} | {fmt(e['acked_records_lost'])} | {conv} |")
+    return "\n".join(out)
+
+
+BLOCKS: dict[str, Callable[[Results], str]] = {
+    "results": results_table,
+    "targets": targets_table,
+    "codec": codec_paragraph,
+    "replay": replay_sentence,
+    "faults": faults_table,
+}
+
+_BLOCK = re.compile(r"(<!-- figures:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(\n<!-- /figures:(?P=name) -->)", re.S)
+
+
+def render_file(text: str, res: Results) -> str:
+    def one(m: re.Match[str]) -> str:
+        make = BLOCKS.get(m["name"])
+        if make is None:
+            raise KeyError(f"unknown figures block {m['name']!r}")
+        return m.group(1) + make(res) + m.group(4)
+
+    return _BLOCK.sub(one, text)
+
+
+def stale(res: Results, paths: tuple[Path, ...] = READMES) -> list[str]:
+    """The README blocks that differ from what the JSON says."""
+    bad = []
+    for p in paths:
+        text = p.read_text()
+        for m in _BLOCK.finditer(text):
+            want = BLOCKS[m["name"]](res)
+            if m["body"] != want:
+                bad.append(f"{p.relative_to(ROOT)}: figures:{m['name']}")
+    return bad
+
+
+def write(res: Results, paths: tuple[Path, ...] = READMES) -> list[Path]:
+    changed = []
+    for p in paths:
+        text = p.read_text()
+        new = render_file(text, res)
+        if new != text:
+            p.write_text(new)
+            changed.append(p)
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="only compare; exit 1 when a README is stale")
+    ap.add_argument("--results", type=Path, default=RESULTS)
+    a = ap.parse_args(argv)
+    res = load(a.results)
+    if a.check:
+        bad = stale(res)
+        for b in bad:
+            print(f"stale: {b} (run python -m bench.report)", file=sys.stderr)
+        return 1 if bad else 0
+    for p in write(res):
+        print(f"updated {p.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
