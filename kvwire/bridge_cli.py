@@ -22,7 +22,12 @@ def bridge(
     dp_rank: int = typer.Option(0, help="Data-parallel rank this stream belongs to."),
     zmq_topic: str = typer.Option("", help="vLLM KV-events topic (SUB prefix filter)."),
     partitions: int = typer.Option(12, help="Partitions if the topic must be created."),
-    replay_timeout_s: float = typer.Option(5.0, help="Give up on a replay after this long (the rest is a gap)."),
+    replay_timeout_s: float = typer.Option(
+        5.0, help="A replay not answered within this long marks the engine down (untrusted)."
+    ),
+    liveness_interval_s: float = typer.Option(
+        2.0, help="Engine silent this long: probe its replay socket (no answer = engine down, untrusted)."
+    ),
     log_level: str = typer.Option("INFO"),
     kafka_config: str | None = typer.Option(
         None,
@@ -54,7 +59,14 @@ def bridge(
     # The ZMQ stream is emitted after TP aggregation: one rank per worker.
     stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source="vllm-zmq")
     br = ZmqBridge(
-        BridgeConfig(zmq_endpoint, replay_endpoint, zmq_topic, replay_timeout_s, expected_dp_rank=dp_rank),
+        BridgeConfig(
+            zmq_endpoint,
+            replay_endpoint,
+            zmq_topic,
+            replay_timeout_s,
+            expected_dp_rank=dp_rank,
+            liveness_interval_s=liveness_interval_s,
+        ),
         stream,
     )
 
