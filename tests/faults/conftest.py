@@ -1,4 +1,5 @@
-"""A second, SASL-only broker for the security tests.
+"""A second, secured broker for the security tests: SASL_PLAINTEXT, SASL_SSL and an mTLS listener
+(SSL with client certificates required, signed by a test CA), plus the three-broker cluster.
 
 It is a separate LocalKafka (own home, own ports) because the shared broker on 19092 must stay
 PLAINTEXT for every other test, and a broker's listeners cannot be changed while it runs."""
@@ -23,6 +24,7 @@ PASSWORD = "pw-" + os.urandom(12).hex()
 ADMIN_USER = "kvwire-broker"
 ADMIN_PASSWORD = "adm-" + os.urandom(12).hex()
 MECH = "SCRAM-SHA-256"
+KEY_PASSWORD = "key-" + os.urandom(12).hex()
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,22 @@ class SecureKafka:
     log_path: Path
     user: str = USER
     password: str = PASSWORD
+    mtls_bootstrap: str | None = None  # SSL, client certificate required
+    client_cert: str | None = None  # signed by the CA the mTLS listener trusts
+    client_key: str | None = None  # encrypted with key_password
+    key_password: str = KEY_PASSWORD
+    rogue_cert: str | None = None  # a certificate from a CA the broker does not know
+    rogue_key: str | None = None
+
+    def mtls_properties(self, *, cert: str | None = None, key: str | None = None) -> dict[str, str]:
+        """Standard Kafka client properties for the mTLS listener, as an operator writes them."""
+        props = {"security.protocol": "SSL", "ssl.ca.location": self.cafile or ""}
+        cert, key = cert or self.client_cert, key or self.client_key
+        if cert:
+            props.update({"ssl.certificate.location": cert, "ssl.key.location": key or ""})
+            if key == self.client_key:
+                props["ssl.key.password"] = self.key_password
+        return props
 
     def env(self, *, tls: bool = False, password: str | None = None) -> dict[str, str]:
         """KVWIRE_KAFKA_* variables as a deployment would set them."""
@@ -45,28 +63,6 @@ class SecureKafka:
         if tls:
             env["KVWIRE_KAFKA_SSL_CAFILE"] = self.cafile or ""
         return env
-
-
-def _free_port_triple() -> int:
-    """p, p+1 (controller), p+2 (SASL_SSL) all free: fixed ports would collide with a second
-    pytest session on the same machine, and LocalKafka derives the controller port from p."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 2 > 65535:
-            continue
-        ok = True
-        for q in (p, p + 1, p + 2):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return p
-    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
 
 
 def _self_signed(home: Path) -> tuple[Path, Path]:
@@ -107,11 +103,58 @@ def _self_signed(home: Path) -> tuple[Path, Path]:
     return keystore, ca
 
 
+def _client_certs(home: Path) -> dict[str, str]:
+    """A client CA the mTLS listener trusts, a client certificate it signed (key encrypted with
+    KEY_PASSWORD, as keys at rest should be), and a rogue certificate from an unknown CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def cert(subject: str, key, issuer: str, issuer_key, ca: bool):
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(subject))
+            .issuer_name(name(issuer))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=2))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            b = b.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    out: dict[str, str] = {}
+    for label, ca_name, password in (("client", "kvwire-test-client-ca", KEY_PASSWORD), ("rogue", "unknown-ca", None)):
+        ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+        ca_cert = cert(ca_name, ca_key, ca_name, ca_key, True)
+        leaf = cert(f"kvwire-{label}", key, ca_name, ca_key, False)
+        enc = serialization.BestAvailableEncryption(password.encode()) if password else serialization.NoEncryption()
+        paths = {
+            "ca": home / f"{label}-ca.pem",
+            "cert": home / f"{label}.pem",
+            "key": home / f"{label}.key",
+        }
+        paths["ca"].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+        paths["cert"].write_bytes(leaf.public_bytes(serialization.Encoding.PEM))
+        paths["key"].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, enc))
+        paths["key"].chmod(0o600)
+        out.update({f"{label}_{k}": str(v) for k, v in paths.items()})
+    return out
+
+
 def _jaas(user: str, password: str) -> str:
     return f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" password="{password}";'
 
 
-def secure_broker_config(port: int, keystore: Path | None) -> tuple[dict, list[str]]:
+def secure_broker_config(port: int, keystore: Path | None, client_ca: str | None = None) -> tuple[dict, list[str]]:
     """(extra_properties, format_args) for a broker whose client listeners all require SCRAM.
 
     The controller listener stays PLAINTEXT (loopback, never advertised to clients). Inter-broker
@@ -137,6 +180,20 @@ def secure_broker_config(port: int, keystore: Path | None) -> tuple[dict, list[s
                 "listener.name.saslssl.ssl.keystore.type": "PEM",
                 "listener.name.saslssl.ssl.keystore.location": str(keystore),
                 "listener.name.saslssl.ssl.client.auth": "none",
+            }
+        )
+    if keystore is not None and client_ca is not None:
+        # mTLS: the client certificate is the credential; SSL principals need no SASL user.
+        listeners.append(f"MTLS://127.0.0.1:{port + 3}")
+        advertised.append(f"MTLS://127.0.0.1:{port + 3}")
+        proto_map.append("MTLS:SSL")
+        props.update(
+            {
+                "listener.name.mtls.ssl.keystore.type": "PEM",
+                "listener.name.mtls.ssl.keystore.location": str(keystore),
+                "listener.name.mtls.ssl.truststore.type": "PEM",
+                "listener.name.mtls.ssl.truststore.location": client_ca,
+                "listener.name.mtls.ssl.client.auth": "required",
             }
         )
     props.update(
@@ -169,16 +226,27 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory):
     from kvwire.broker import LocalKafka
 
     home = tmp_path_factory.mktemp("sasl-kafka")
-    port = int(os.environ.get("KVWIRE_SASL_KAFKA_PORT") or _free_port_triple())
+    # p: SASL, p+1: controller, p+2: SASL_SSL, p+3: mTLS
+    port = int(os.environ.get("KVWIRE_SASL_KAFKA_PORT") or free_port_run(4))
     tls_error = None
+    certs: dict[str, str] = {}
     try:
         keystore, ca = _self_signed(home)
+        certs = _client_certs(home)
     except Exception as e:  # cryptography missing: SASL still gets tested
         keystore = ca = None
         tls_error = e
-    props, fmt = secure_broker_config(port, keystore)
+    props, fmt = secure_broker_config(port, keystore, certs.get("client_ca"))
     info = SecureKafka(
-        f"127.0.0.1:{port}", f"127.0.0.1:{port + 2}" if keystore else None, str(ca) if ca else None, home / "kafka.log"
+        f"127.0.0.1:{port}",
+        f"127.0.0.1:{port + 2}" if keystore else None,
+        str(ca) if ca else None,
+        home / "kafka.log",
+        mtls_bootstrap=f"127.0.0.1:{port + 3}" if certs else None,
+        client_cert=certs.get("client_cert"),
+        client_key=certs.get("client_key"),
+        rogue_cert=certs.get("rogue_cert"),
+        rogue_key=certs.get("rogue_key"),
     )
     kafka = LocalKafka(home, port, extra_properties=props, format_args=fmt, client_config=client_config(info.env()))
     try:

@@ -415,3 +415,167 @@ def test_misconfiguration_fails_early_without_echoing_secrets(env, names):
 def test_plaintext_is_the_default():
     assert client_options_from_env({}) == {}
     assert client_options_from_env({"KVWIRE_KAFKA_SECURITY_PROTOCOL": "plaintext"}) == {}
+
+
+# ------------------------------------------------------------------ standard client properties, mTLS
+
+
+def write_properties(path: Path, props: dict[str, str]) -> Path:
+    path.write_text(
+        "# as an operator writes it for any Kafka client\n" + "".join(f"{k}={v}\n" for k, v in props.items())
+    )
+    return path
+
+
+def need_mtls(k) -> None:
+    if k.mtls_bootstrap is None:
+        pytest.fail("the mTLS listener was not configured", pytrace=False)
+
+
+@pytest.mark.integration
+async def test_mtls_client_certificate_from_a_properties_file_round_trips(secure_kafka, secure_topic, tmp_path, logs):
+    from kvwire.options import client_options
+
+    need_mtls(secure_kafka)
+    props = write_properties(tmp_path / "client.properties", secure_kafka.mtls_properties())
+    opts = client_options(props, env={})
+    w = WorkerId(f"mtls-{uuid.uuid4().hex[:6]}", 0, 0, 1, "m")
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=secure_kafka.mtls_bootstrap,
+            topic=secure_topic,
+            partitions=1,
+            heartbeat_interval_s=3600,
+            client_options=opts,
+        )
+    )
+    try:
+        st = pub.stream(w, source="test")
+        sent = [[stored([7, 8], range(8), 4, medium="GPU")]]
+        assert st.publish(sent[0])
+    finally:
+        pub.close(timeout=30)
+    (s,) = pub.stats()
+    assert (s.acked, s.failed, s.dropped, s.lost) == (2, 0, 0, 0), s
+    got = await read_batches(
+        secure_kafka.mtls_bootstrap, secure_topic, opts, lambda bs: any(b.events and b.worker == w for b in bs)
+    )
+    assert [list(b.events) for b in got if b.worker == w and b.events] == sent
+    # The key's password went to the TLS layer only.
+    assert_secret_free(logs.text, repr(opts), repr(pub.config), secrets=(secure_kafka.key_password,))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("who", ["no_certificate", "unknown_ca"])
+async def test_mtls_refuses_a_client_without_a_trusted_certificate(secure_kafka, secure_topic, who):
+    from kvwire.options import aiokafka_options
+
+    need_mtls(secure_kafka)
+    if who == "no_certificate":
+        props = {"security.protocol": "SSL", "ssl.ca.location": secure_kafka.cafile}
+    else:
+        props = secure_kafka.mtls_properties(cert=secure_kafka.rogue_cert, key=secure_kafka.rogue_key)
+    c = AIOKafkaConsumer(
+        bootstrap_servers=secure_kafka.mtls_bootstrap, request_timeout_ms=5000, **aiokafka_options(props)
+    )
+    with pytest.raises(KafkaConnectionError):
+        await c.start()
+    await c.stop()
+
+
+@pytest.mark.integration
+async def test_tail_reads_with_a_jaas_line_from_a_properties_file(secure_kafka, secure_topic, tmp_path):
+    w = WorkerId(f"tail-{uuid.uuid4().hex[:6]}", 0, 0, 1, "m")
+    publish(secure_kafka, secure_topic, w, 2)
+    jaas = (
+        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="{secure_kafka.user}" password="{secure_kafka.password}";'
+    )
+    props = write_properties(
+        tmp_path / "client.properties",
+        {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-256", "sasl.jaas.config": jaas},
+    )
+    proc = Proc(
+        tmp_path,
+        "tail",
+        [
+            "-m",
+            "kvwire.cli",
+            "tail",
+            "--bootstrap-servers",
+            secure_kafka.sasl_bootstrap,
+            "--topic",
+            secure_topic,
+            "--from",
+            "earliest",
+            "--json",
+            "--worker",
+            w.instance_id,
+            "--max-records",
+            "3",
+            "--timeout",
+            "30",
+            "--kafka-config",
+            str(props),
+        ],
+        {},  # nothing in the environment: the file is the only source of credentials
+    )
+    rc = await asyncio.to_thread(proc.p.wait, 90)
+    proc.stop()
+    out = proc.output()
+    assert rc == 0, out[-3000:]
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert len(lines) == 3, out[-3000:]  # the epoch announcement and two batches
+    assert_secret_free(out, secrets=(secure_kafka.password,))
+
+
+def test_standard_property_names_from_the_environment_map_to_aiokafka(tmp_path):
+    from kvwire.options import client_options_from_env
+
+    env = {
+        "KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "KVWIRE_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512",
+        "KVWIRE_KAFKA_SASL_JAAS_CONFIG": f'x.ScramLoginModule required username="u" password="{SECRET}";',
+        "KVWIRE_KAFKA_CLIENT_ID": "router-7",
+        "KVWIRE_KAFKA_HOME": "/not/a/client/property",  # the local broker's setting, never a property
+    }
+    opts = client_options_from_env(env)
+    assert opts["sasl_mechanism"] == "SCRAM-SHA-512"
+    assert (opts["sasl_plain_username"], opts["sasl_plain_password"]) == ("u", SECRET)
+    assert opts["client_id"] == "router-7" and opts["security_protocol"] == "SASL_SSL"
+    assert opts["ssl_context"].check_hostname is True
+    assert_secret_free(repr(opts), secrets=(SECRET,))
+
+
+def test_a_properties_file_is_overridden_by_the_environment(tmp_path):
+    from kvwire.options import client_properties
+
+    f = write_properties(tmp_path / "p.properties", {"security.protocol": "SSL", "client.id": "from-file"})
+    props = client_properties({"KVWIRE_KAFKA_CONFIG": str(f), "KVWIRE_KAFKA_CLIENT_ID": "from-env"})
+    assert props == {"security.protocol": "SSL", "client.id": "from-env"}
+
+
+@pytest.mark.parametrize(
+    "props, names",
+    [
+        ({"security.protocol": "SSL", "ssl.truststore.location": "/x.jks"}, ["ssl.truststore.location", "PEM"]),
+        ({"security.protocol": "SSL", "ssl.key.location": "/k.pem"}, ["ssl.certificate.location"]),
+        ({"security.protocol": "SSL", "ssl.ca.location": "/does/not/exist.pem"}, ["ssl.ca.location"]),
+        ({"request.timeout.ms": "soon"}, ["request.timeout.ms"]),
+    ],
+)
+def test_bad_tls_properties_fail_early_naming_the_property(props, names):
+    from kvwire.options import aiokafka_options
+
+    with pytest.raises(ValueError) as e:
+        aiokafka_options(props)
+    for n in names:
+        assert n in str(e.value)
+
+
+def test_unknown_property_is_named_but_its_value_is_not_logged(logs):
+    from kvwire.options import aiokafka_options
+
+    assert aiokafka_options({"sasl.oauthbearer.token": SECRET}) == {}
+    assert "sasl.oauthbearer.token" in logs.text
+    assert_secret_free(logs.text, secrets=(SECRET,))
