@@ -9,6 +9,7 @@ from kvwire.bridge_cli import app as _bridge
 from kvwire.broker.cli import app as _kafka
 from kvwire.demo import demo as _demo
 from kvwire.index_cli import index as _index
+from kvwire.registry_cli import app as _registry
 from kvwire.replay_cli import replay as _replay
 from kvwire.schemas_cli import app as _schemas
 from kvwire.tail import app as _tail
@@ -23,6 +24,7 @@ app.command(name="replay")(_replay)
 app.add_typer(_tail, name="tail")
 app.add_typer(_schemas, name="schemas")
 app.add_typer(_bench, name="bench")
+app.add_typer(_registry, name="registry")
 
 if __name__ == "__main__":
     app()

@@ -1,9 +1,15 @@
-"""`kvwire schemas [--out DIR]`: the shipped contract, as other languages need it.
+"""`kvwire schemas [--out DIR] [--register URL]`: the shipped contract, as other languages and
+schema registries need it.
 
 Fingerprints are computed here from the .avsc text itself, not taken from the codec, so this
 command is an independent check of what the codec frames records with. The hex is the one Java's
 ``SchemaNormalization.parsingFingerprint64`` prints (``%016x`` of the long); the wire header carries
 the same long little-endian (Avro single-object encoding), shown as ``header``.
+
+``--register URL`` puts every version, oldest first, into a schema registry (Confluent's, or
+Apicurio's ccompat API) under one subject with FULL_TRANSITIVE compatibility, so the registry
+itself enforces kvwire's rule from then on. Credentials come from the environment
+(KVWIRE_SCHEMA_REGISTRY_USERNAME / _PASSWORD).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ def shipped() -> list[ShippedSchema]:
     from fastavro.schema import fingerprint, to_parsing_canonical_form
 
     out = []
-    for entry in resources.files("schemas").joinpath("avro").iterdir():
+    for entry in resources.files("kvwire.schemas").joinpath("avro").iterdir():
         m = _FILE.fullmatch(entry.name)
         if not m:
             continue
@@ -83,8 +89,19 @@ def schemas(
     out: Path | None = typer.Option(
         None, "--out", help="write DIR/event_batch.vN.avsc and DIR/fingerprints.json instead of printing"
     ),
+    register: str | None = typer.Option(
+        None,
+        "--register",
+        metavar="URL",
+        help="register every version, oldest first, with FULL_TRANSITIVE compatibility, in the schema registry at URL",
+    ),
+    topic: str = typer.Option("kvwire.events", "--topic", help="with --register: subject = TOPIC-value"),
+    subject: str | None = typer.Option(None, "--subject", help="with --register: this subject instead"),
 ) -> None:
     """Every schema version with its CRC-64-AVRO fingerprint (newest is the current writer)."""
+    if register is not None:
+        _register(register, subject or f"{topic}-value")
+        return
     found = shipped()
     if out is None:
         current = found[-1].version
@@ -97,6 +114,23 @@ def schemas(
         (out / s.file).write_text(s.text)
     (out / "fingerprints.json").write_text(json.dumps(fingerprints_doc(found), indent=2) + "\n")
     typer.echo(f"wrote {len(found)} schemas and fingerprints.json to {out}")
+
+
+def _register(url: str, subject: str) -> None:
+    from kvwire.registry.client import KVWIRE_COMPATIBILITY, RegistryClient, RegistryConfig, RegistryError
+    from kvwire.registry.shipped import register_shipped
+
+    try:
+        cfg = RegistryConfig.from_env(url)
+        assert cfg is not None
+        client = RegistryClient(cfg)
+        ids = register_shipped(client, subject)
+    except (RegistryError, ValueError) as e:
+        typer.echo(f"kvwire schemas --register: {e}", err=True)
+        raise typer.Exit(1) from None
+    for version, sid in ids:
+        typer.echo(f"v{version}  dev.kvwire.EventBatch/v{version}  subject={subject}  id={sid}")
+    typer.echo(f"{subject}: {len(ids)} versions, compatibility {KVWIRE_COMPATIBILITY}", err=True)
 
 
 if __name__ == "__main__":
