@@ -26,10 +26,8 @@ pub const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
 /// The writer versions this decoder is specialised to, with their
 /// fingerprints as framed on the wire (little-endian). The parity test checks
 /// this list against every schema shipped in `schemas/avro`.
-pub const FINGERPRINTS: [(u32, [u8; 8]); 2] = [
-    (1, [0x8e, 0x16, 0xc2, 0xd2, 0x80, 0x14, 0x78, 0xda]),
-    (2, [0xab, 0x49, 0x96, 0x8c, 0x92, 0xeb, 0xe7, 0xad]),
-];
+pub const FINGERPRINTS: [(u32, [u8; 8]); 2] =
+    [(1, [0x8e, 0x16, 0xc2, 0xd2, 0x80, 0x14, 0x78, 0xda]), (2, [0xab, 0x49, 0x96, 0x8c, 0x92, 0xeb, 0xe7, 0xad])];
 
 /// Why the fast path did not decode a record. The reason is for counters and
 /// debugging only: the reference decoder gives the dead-letter reason.
@@ -267,7 +265,7 @@ impl<'a> Cursor<'a> {
             }
             events.reserve(n);
             for _ in 0..n {
-                events.push(self.event(version)?);
+                events.push(self.event()?);
             }
         }
         // v2 added `source` (default ""): a v1 writer's record reads as "".
@@ -275,9 +273,9 @@ impl<'a> Cursor<'a> {
         Ok(Record { writer_version: version, worker, epoch, seq, ts_us, engine_ts, reset, gap, source, events })
     }
 
-    fn event(&mut self, version: u32) -> R<Event<'a>> {
+    fn event(&mut self) -> R<Event<'a>> {
         Ok(match self.branch(3)? {
-            0 => Event::Stored(self.stored(version)?),
+            0 => Event::Stored(self.stored()?),
             1 => Event::Removed(self.removed()?),
             _ => Event::Cleared,
         })
@@ -306,7 +304,7 @@ impl<'a> Cursor<'a> {
         Ok(Hashes { kind, width: width as usize, packed })
     }
 
-    fn stored(&mut self, version: u32) -> R<Stored<'a>> {
+    fn stored(&mut self) -> R<Stored<'a>> {
         let block_hashes = self.hashes()?;
         let at = self.pos;
         let parent_block_hash = if self.some()? {
@@ -332,7 +330,7 @@ impl<'a> Cursor<'a> {
             lora_id: if self.some()? { Some(self.long()?) } else { None },
             medium: self.opt_string()?,
             lora_name: self.opt_string()?,
-            extra_keys: if self.some()? { Some(self.extra_keys(version)?) } else { None },
+            extra_keys: if self.some()? { Some(self.extra_keys()?) } else { None },
             group_idx: self.opt_int()?,
             kv_cache_spec_kind: self.opt_string()?,
             kv_cache_spec_sliding_window: self.opt_int()?,
@@ -352,7 +350,7 @@ impl<'a> Cursor<'a> {
         })
     }
 
-    fn extra_keys(&mut self, version: u32) -> R<Vec<Option<Vec<ExtraKey<'a>>>>> {
+    fn extra_keys(&mut self) -> R<Vec<Option<Vec<ExtraKey<'a>>>>> {
         let mut blocks = Vec::new();
         loop {
             let n = self.block_count()?;
@@ -361,12 +359,12 @@ impl<'a> Cursor<'a> {
             }
             blocks.reserve(n);
             for _ in 0..n {
-                blocks.push(if self.some()? { Some(self.block_keys(version)?) } else { None });
+                blocks.push(if self.some()? { Some(self.block_keys()?) } else { None });
             }
         }
     }
 
-    fn block_keys(&mut self, version: u32) -> R<Vec<ExtraKey<'a>>> {
+    fn block_keys(&mut self) -> R<Vec<ExtraKey<'a>>> {
         let mut keys = Vec::new();
         loop {
             let n = self.block_count()?;
@@ -375,18 +373,13 @@ impl<'a> Cursor<'a> {
             }
             keys.reserve(n);
             for _ in 0..n {
-                let at = self.pos;
                 let i = self.branch(7)?;
-                keys.push(if i == 6 {
-                    ExtraKey::Tuple(self.tuple_key(version)?)
-                } else {
-                    ExtraKey::Scalar(self.scalar(i, version, at)?)
-                });
+                keys.push(if i == 6 { ExtraKey::Tuple(self.tuple_key()?) } else { ExtraKey::Scalar(self.scalar(i)?) });
             }
         }
     }
 
-    fn tuple_key(&mut self, version: u32) -> R<Vec<Scalar<'a>>> {
+    fn tuple_key(&mut self) -> R<Vec<Scalar<'a>>> {
         let mut items = Vec::new();
         loop {
             let n = self.block_count()?;
@@ -395,31 +388,22 @@ impl<'a> Cursor<'a> {
             }
             items.reserve(n);
             for _ in 0..n {
-                let at = self.pos;
                 let i = self.branch(6)?;
-                items.push(self.scalar(i, version, at)?);
+                items.push(self.scalar(i)?);
             }
         }
     }
 
     /// The scalar of union branch `i` (`null|boolean|long|double|string|bytes`).
     #[inline]
-    fn scalar(&mut self, i: i64, version: u32, at: usize) -> R<Scalar<'a>> {
+    fn scalar(&mut self, i: i64) -> R<Scalar<'a>> {
         Ok(match i {
             0 => Scalar::Null,
             1 => Scalar::Bool(self.boolean()?),
             2 => Scalar::Long(self.long()?),
             3 => Scalar::Double(self.double()?),
             4 => Scalar::Str(self.string()?),
-            _ if version >= 2 => Scalar::Bytes(self.bytes()?),
-            _ => {
-                // Resolving a v1 writer to the current reader, the reference
-                // (fastavro) matches a `bytes` branch to the reader union's
-                // first compatible branch, `string` (Avro promotes bytes to
-                // string), so the key reads as text, or fails as invalid UTF-8.
-                let b = self.bytes()?;
-                Scalar::Str(std::str::from_utf8(b).map_err(|_| Decline { reason: "invalid UTF-8", at })?)
-            }
+            _ => Scalar::Bytes(self.bytes()?),
         })
     }
 }

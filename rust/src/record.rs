@@ -120,9 +120,7 @@ impl<'a> Stored<'a> {
     /// The token ids as integers.
     #[inline]
     pub fn tokens(&self) -> impl ExactSizeIterator<Item = u32> + 'a {
-        self.token_ids
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        self.token_ids.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
     }
 }
 

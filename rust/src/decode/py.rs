@@ -72,13 +72,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 fn batch<'py>(py: Python<'py>, r: &Record<'_>) -> PyResult<Bound<'py, PyAny>> {
     let w = &r.worker;
-    let worker = WORKER_ID.import(py, EVENTS, "WorkerId")?.call1((
-        w.instance_id,
-        w.dp_rank,
-        w.tp_rank,
-        w.tp_size,
-        w.model,
-    ))?;
+    let worker =
+        WORKER_ID.import(py, EVENTS, "WorkerId")?.call1((w.instance_id, w.dp_rank, w.tp_rank, w.tp_size, w.model))?;
     let events = r.events.iter().map(|e| event(py, e)).collect::<PyResult<Vec<_>>>()?;
     EVENT_BATCH.import(py, EVENTS, "EventBatch")?.call1((
         worker,
