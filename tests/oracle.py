@@ -3,7 +3,7 @@
 Plain dicts, no incremental counters: every answer is recomputed from the raw
 per-(rank, medium, group) engine-hash entries, so it is slow and obviously
 right. Block keys are chained here with the ``xxhash`` package, one call per
-block, independently of the numba XXH3 in ``kvwire.consumer.keys``; only the seed
+block, independently of the Rust core's XXH3 chain (``kvwire._core``); only the seed
 definitions (context, orphan root, namespaces) are shared.
 
 Semantics mirrored (see consumer/index.py's docstring): refcounted duplicate

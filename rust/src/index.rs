@@ -1,0 +1,1093 @@
+//! The prefix-cache index: which worker holds how many leading tokens of a prompt.
+//!
+//! The semantics are those of `kvwire/consumer/index.py`'s docstring (the
+//! Python wrapper) and `tests/oracle.py` (the executable spec); this module is
+//! the one implementation. Registry: workers (instance_id, dp_rank) and media
+//! are interned to small ids; `wm` = (worker, medium), `rm` = (worker, tp rank,
+//! medium). Tables: see `table.rs`.
+//!
+//! Writes are whole-or-nothing per call: every change an `apply` makes is
+//! logged, and a call that hits a reference-count ceiling rolls the log back
+//! before it returns, so a record is never left half applied. (Tables and
+//! registry entries the call created stay: they are empty, hold no block, and
+//! the record's rank exists anyway once it has been fenced.)
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::keys::{block_key_le, engine_key, orphan_root, Ctx, CtxCache, ROOT};
+use crate::table::{Holders, RTable, STable, ENGINE, MAX_RM, ORPHAN, REF_MASK};
+
+pub struct Rank {
+    pub tp_rank: i64,
+    pub tables: Vec<RTable>,
+}
+
+pub struct Worker {
+    pub inst: String,
+    pub dp: i64,
+    pub tp_size: u32,
+    pub ranks: Vec<Rank>,
+    pub wms: Vec<u32>,
+}
+
+/// A rank as events name it.
+#[derive(Clone, Copy)]
+pub struct RankId<'a> {
+    pub inst: &'a str,
+    pub dp: i64,
+    pub tp_rank: i64,
+    pub tp_size: i64,
+}
+
+/// One event, borrowed from a decoded record or from Python objects.
+pub enum Ev<'a> {
+    Store {
+        medium: Option<&'a str>,
+        group: i64,
+        ehs: &'a [u64],
+        /// Token ids as little-endian u32 bytes (the wire form).
+        tokens: &'a [u8],
+        bs: i64,
+        parent: Option<u64>,
+        lora: Option<&'a str>,
+        /// Per-block contexts when extra keys are present (else derived from bs, lora).
+        blk_ctx: Option<&'a [u64]>,
+    },
+    Remove {
+        medium: Option<&'a str>,
+        group: i64,
+        ehs: &'a [u64],
+    },
+    Clear,
+}
+
+#[derive(Debug, PartialEq)]
+pub enum ApplyError {
+    /// Event `.0`'s token ids do not cover its blocks.
+    Malformed(usize, String),
+    /// A reference count hit its ceiling; nothing of the call was applied.
+    Overflow,
+}
+
+type Loc = (u32, usize, usize);
+
+enum Undo {
+    Insert(Loc, u64),
+    Inc(Loc, u64),
+    Dec(Loc, u64),
+    Delete(Loc, u64, u64, u16),
+    Unknown(Loc),
+    Clear(Loc, Box<RTable>),
+    BlockSize(i64),
+}
+
+pub fn normalize_medium(m: Option<&str>) -> std::borrow::Cow<'_, str> {
+    match m {
+        None => "GPU".into(),
+        Some(s) => {
+            let u = s.to_uppercase();
+            if u == "GPU" || u == "CPU" || u == "STORAGE" {
+                u.into()
+            } else {
+                s.into()
+            }
+        }
+    }
+}
+
+/// Per-worker statistics (`WorkerStats` in Python).
+pub struct Stats {
+    pub inst: String,
+    pub dp: i64,
+    pub tp_size: u32,
+    pub ranks: usize,
+    pub blocks: Vec<(String, i64)>,
+    pub entries: i64,
+    pub orphans: i64,
+    pub unknown: i64,
+    pub dups: i64,
+}
+
+/// Where a query's block keys come from.
+pub enum Query<'a> {
+    /// Token ids hashed lazily in `bs`-token blocks under `ctx`.
+    Tokens {
+        tokens: &'a [u8],
+        bs: usize,
+        ctx: Ctx<'a>,
+    },
+    /// Precomputed keys, each worth `scale` tokens.
+    Keys { keys: &'a [u64], scale: i64 },
+}
+
+/// Scores as arrays, best first: worker ids, matched tokens, weighted score,
+/// and per result a slice `by_off[i]..by_off[i+1]` of (medium id, tokens).
+#[derive(Default, Debug)]
+pub struct Scores {
+    pub worker: Vec<u32>,
+    pub matched: Vec<i64>,
+    pub score: Vec<f64>,
+    pub by_off: Vec<u32>,
+    pub by_medium: Vec<u32>,
+    pub by_tokens: Vec<i64>,
+}
+
+#[derive(Default)]
+pub struct Index {
+    pub workers: Vec<Worker>,
+    worker_ids: HashMap<String, Vec<(i64, u32)>>,
+    pub media: Vec<String>,
+    media_ids: HashMap<String, u32>,
+    raw_media: HashMap<String, u32>,
+    wm_ids: HashMap<(u32, u32), u32>,
+    pub wm_worker: Vec<u32>,
+    pub wm_medium: Vec<u32>,
+    rm_ids: HashMap<(u32, i64, u32), u32>,
+    pub hd: Holders,
+    pub s: STable,
+    pub block_sizes: BTreeSet<i64>,
+    ctx: CtxCache,
+    undo: Vec<Undo>,
+    name_rank: Vec<u32>,
+    scratch: Vec<u64>,
+}
+
+
+impl Index {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    // ------------------------------------------------------------ registry
+
+    pub fn worker_id(&self, inst: &str, dp: i64) -> Option<u32> {
+        self.worker_ids
+            .get(inst)?
+            .iter()
+            .find(|(d, _)| *d == dp)
+            .map(|(_, w)| *w)
+    }
+
+    fn worker(&mut self, inst: &str, dp: i64, tp: u32) -> u32 {
+        if let Some(w) = self.worker_id(inst, dp) {
+            if self.workers[w as usize].tp_size != tp {
+                // Ranks disagree on the TP degree: the latest word wins, and
+                // every holder count of the worker is recomputed under it.
+                self.workers[w as usize].tp_size = tp;
+                self.sync_tp(w);
+                self.recount();
+            }
+            return w;
+        }
+        let w = self.workers.len() as u32;
+        self.workers.push(Worker {
+            inst: inst.to_owned(),
+            dp,
+            tp_size: tp,
+            ranks: vec![],
+            wms: vec![],
+        });
+        self.worker_ids
+            .entry(inst.to_owned())
+            .or_default()
+            .push((dp, w));
+        self.name_rank.clear();
+        w
+    }
+
+    pub fn medium_id(&mut self, raw: Option<&str>) -> u32 {
+        if let Some(r) = raw {
+            if let Some(&m) = self.raw_media.get(r) {
+                return m;
+            }
+        }
+        let name = normalize_medium(raw).into_owned();
+        let m = match self.media_ids.get(&name) {
+            Some(&m) => m,
+            None => {
+                let m = self.media.len() as u32;
+                self.media.push(name.clone());
+                self.media_ids.insert(name, m);
+                m
+            }
+        };
+        if let Some(r) = raw {
+            if self.raw_media.len() < 4096 {
+                self.raw_media.insert(r.to_owned(), m);
+            }
+        }
+        m
+    }
+
+    fn sync_tp(&mut self, w: u32) {
+        let wk = &self.workers[w as usize];
+        let tp = if wk.tp_size == 1 && wk.ranks.len() <= 1 {
+            0
+        } else {
+            wk.tp_size
+        };
+        for &wm in &wk.wms {
+            self.hd.wm_tp[wm as usize] = tp;
+        }
+    }
+
+    fn recount(&mut self) {
+        let mut blocks = vec![0i64; self.hd.wm_blocks.len()];
+        let tps = &self.hd.wm_tp;
+        self.s.for_each_key_wm(&self.hd, |_, wm, n| {
+            if n >= tps[wm as usize].max(1) {
+                blocks[wm as usize] += 1;
+            }
+        });
+        self.hd.wm_blocks = blocks;
+    }
+
+    fn table(
+        &mut self,
+        rank: &RankId,
+        medium: Option<&str>,
+        group: i64,
+    ) -> Result<Loc, ApplyError> {
+        let tp = rank.tp_size.max(1) as u32;
+        let w = self.worker(rank.inst, rank.dp, tp);
+        let mid = self.medium_id(medium);
+        let wk = &mut self.workers[w as usize];
+        let r = match wk.ranks.iter().position(|r| r.tp_rank == rank.tp_rank) {
+            Some(r) => r,
+            None => {
+                wk.ranks.push(Rank {
+                    tp_rank: rank.tp_rank,
+                    tables: vec![],
+                });
+                wk.ranks.len() - 1
+            }
+        };
+        if let Some(t) = wk.ranks[r]
+            .tables
+            .iter()
+            .position(|t| t.medium == mid && t.group == group)
+        {
+            return Ok((w, r, t));
+        }
+        let wm = match self.wm_ids.get(&(w, mid)) {
+            Some(&wm) => wm,
+            None => {
+                let wm = self.wm_worker.len() as u32;
+                self.wm_ids.insert((w, mid), wm);
+                self.wm_worker.push(w);
+                self.wm_medium.push(mid);
+                self.hd.wm_tp.push(1);
+                self.hd.wm_blocks.push(0);
+                self.workers[w as usize].wms.push(wm);
+                wm
+            }
+        };
+        let rm = match self.rm_ids.get(&(w, rank.tp_rank, mid)) {
+            Some(&rm) => rm,
+            None => {
+                let rm = self.hd.rm_wm.len() as u32;
+                if rm > MAX_RM {
+                    return Err(ApplyError::Overflow);
+                }
+                self.rm_ids.insert((w, rank.tp_rank, mid), rm);
+                self.hd.rm_wm.push(wm);
+                rm
+            }
+        };
+        let tables = &mut self.workers[w as usize].ranks[r].tables;
+        tables.push(RTable::new(rm, mid, group));
+        let t = tables.len() - 1;
+        self.sync_tp(w);
+        Ok((w, r, t))
+    }
+
+    #[inline]
+    fn tab(&mut self, l: Loc) -> &mut RTable {
+        &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2]
+    }
+
+    // ------------------------------------------------------------ writes
+
+    /// Check that every event of a record can be applied (token counts).
+    pub fn validate(events: &[Ev]) -> Result<(), ApplyError> {
+        for (e, ev) in events.iter().enumerate() {
+            if let Ev::Store {
+                ehs, tokens, bs, ..
+            } = ev
+            {
+                if *bs > 0
+                    && !tokens.is_empty()
+                    && (tokens.len() / 4) as i64 != bs * ehs.len() as i64
+                {
+                    return Err(ApplyError::Malformed(
+                        e,
+                        format!(
+                            "BlockStored with {} hashes of block_size {} carries {} token ids",
+                            ehs.len(),
+                            bs,
+                            tokens.len() / 4
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Apply one rank's events in order; returns the blocks the store and
+    /// remove events named. With `atomic`, a malformed event anywhere applies
+    /// nothing; without, the events before it stay applied (the Python
+    /// `apply_batch` contract). An overflow always applies nothing.
+    pub fn apply(&mut self, rank: &RankId, events: &[Ev], atomic: bool) -> Result<u64, ApplyError> {
+        if atomic {
+            Self::validate(events)?;
+        }
+        self.undo.clear();
+        let mut blocks = 0u64;
+        for (e, ev) in events.iter().enumerate() {
+            let r = match ev {
+                Ev::Store {
+                    medium,
+                    group,
+                    ehs,
+                    tokens,
+                    bs,
+                    parent,
+                    lora,
+                    blk_ctx,
+                } => {
+                    let n = ehs.len();
+                    if n == 0 {
+                        continue;
+                    }
+                    let engine = *bs <= 0 || tokens.is_empty();
+                    if !engine && (tokens.len() / 4) as i64 != bs * n as i64 {
+                        self.undo.clear();
+                        return Err(ApplyError::Malformed(
+                            e,
+                            format!("{} token ids for {} blocks of {}", tokens.len() / 4, n, bs),
+                        ));
+                    }
+                    blocks += n as u64;
+                    self.store(
+                        rank,
+                        *medium,
+                        *group,
+                        ehs,
+                        tokens,
+                        if engine { 0 } else { *bs },
+                        *parent,
+                        *lora,
+                        *blk_ctx,
+                    )
+                }
+                Ev::Remove { medium, group, ehs } => {
+                    if ehs.is_empty() {
+                        continue;
+                    }
+                    blocks += ehs.len() as u64;
+                    self.remove(rank, *medium, *group, ehs)
+                }
+                Ev::Clear => {
+                    self.clear_rank(rank.inst, rank.dp, rank.tp_rank, true);
+                    Ok(())
+                }
+            };
+            if let Err(err) = r {
+                self.rollback();
+                return Err(err);
+            }
+        }
+        self.undo.clear();
+        Ok(blocks)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn store(
+        &mut self,
+        rank: &RankId,
+        medium: Option<&str>,
+        group: i64,
+        ehs: &[u64],
+        tokens: &[u8],
+        bs: i64,
+        parent: Option<u64>,
+        lora: Option<&str>,
+        blk_ctx: Option<&[u64]>,
+    ) -> Result<(), ApplyError> {
+        let l = self.table(rank, medium, group)?;
+        let mut flags = 0u16;
+        let mut keys = std::mem::take(&mut self.scratch);
+        keys.clear();
+        if bs == 0 {
+            flags = ENGINE;
+            keys.extend(ehs.iter().map(|&h| engine_key(h)));
+        } else {
+            if self.block_sizes.insert(bs) {
+                self.undo.push(Undo::BlockSize(bs));
+            }
+            let mut pkey = ROOT;
+            if let Some(peh) = parent {
+                let (k, orphan) = self.resolve_parent(l, peh);
+                pkey = k;
+                if orphan {
+                    flags = ORPHAN;
+                }
+            }
+            let ctx = match blk_ctx {
+                Some(c) if c.len() > 1 => Ctx::PerBlock(c),
+                Some(c) => Ctx::One(c[0]),
+                None => Ctx::One(self.ctx.get(bs, lora)),
+            };
+            crate::keys::chain(tokens, bs as usize, ehs.len(), pkey, ctx, &mut keys);
+        }
+        let rm = self.tab(l).rm;
+        let mut over = false;
+        for (i, &eh) in ehs.iter().enumerate() {
+            let key = keys[i];
+            let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+            if let Some(m) = t.meta_mut(eh) {
+                // vLLM can hold one hash in several physical blocks: count
+                // it, keep the first key (a removal needs only the count).
+                if *m & REF_MASK == REF_MASK {
+                    over = true;
+                    break;
+                }
+                *m += 1;
+                t.dups += 1;
+                self.undo.push(Undo::Inc(l, eh));
+                continue;
+            }
+            if !self.s.inc(key, rm, &mut self.hd) {
+                over = true;
+                break;
+            }
+            self.workers[l.0 as usize].ranks[l.1].tables[l.2].insert(eh, key, flags | 1);
+            self.undo.push(Undo::Insert(l, eh));
+        }
+        self.scratch = keys;
+        if over {
+            Err(ApplyError::Overflow)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn resolve_parent(&self, own: Loc, peh: u64) -> (u64, bool) {
+        let wk = &self.workers[own.0 as usize];
+        if let Some((k, m)) = wk.ranks[own.1].tables[own.2].get(peh) {
+            if m & ENGINE == 0 {
+                return (k, m & ORPHAN != 0);
+            }
+        }
+        let order = std::iter::once(own.1).chain((0..wk.ranks.len()).filter(|&r| r != own.1));
+        for r in order {
+            for (ti, t) in wk.ranks[r].tables.iter().enumerate() {
+                if r == own.1 && ti == own.2 {
+                    continue;
+                }
+                if let Some((k, m)) = t.get(peh) {
+                    if m & ENGINE == 0 {
+                        return (k, m & ORPHAN != 0);
+                    }
+                }
+            }
+        }
+        (orphan_root(peh), true)
+    }
+
+    fn remove(
+        &mut self,
+        rank: &RankId,
+        medium: Option<&str>,
+        group: i64,
+        ehs: &[u64],
+    ) -> Result<(), ApplyError> {
+        let l = self.table(rank, medium, group)?;
+        for &eh in ehs {
+            let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+            match t.meta_mut(eh) {
+                None => {
+                    t.unknown += 1;
+                    self.undo.push(Undo::Unknown(l));
+                }
+                Some(m) if *m & REF_MASK > 1 => {
+                    *m -= 1;
+                    self.undo.push(Undo::Dec(l, eh));
+                }
+                Some(_) => {
+                    let rm = t.rm;
+                    let (key, meta) = t.remove(eh).expect("present");
+                    self.s.dec(key, rm, &mut self.hd);
+                    self.undo.push(Undo::Delete(l, eh, key, meta));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn clear_table(&mut self, l: Loc, log: bool) {
+        let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+        if t.count == 0 {
+            return;
+        }
+        let mut fresh = RTable::new(t.rm, t.medium, t.group);
+        fresh.unknown = t.unknown;
+        fresh.dups = t.dups;
+        let old = std::mem::replace(t, fresh);
+        for (_, key, _) in old.entries() {
+            self.s.dec(key, old.rm, &mut self.hd);
+        }
+        if log {
+            self.undo.push(Undo::Clear(l, Box::new(old)));
+        }
+    }
+
+    fn rank_pos(&self, inst: &str, dp: i64, tp_rank: i64) -> Option<(u32, usize)> {
+        let w = self.worker_id(inst, dp)?;
+        let r = self.workers[w as usize]
+            .ranks
+            .iter()
+            .position(|r| r.tp_rank == tp_rank)?;
+        Some((w, r))
+    }
+
+    /// AllBlocksCleared: O(that rank's entries), counters kept.
+    pub fn clear_rank(&mut self, inst: &str, dp: i64, tp_rank: i64, log: bool) {
+        if let Some((w, r)) = self.rank_pos(inst, dp, tp_rank) {
+            for t in 0..self.workers[w as usize].ranks[r].tables.len() {
+                self.clear_table((w, r, t), log);
+            }
+        }
+    }
+
+    /// Forget a rank entirely (expiry): its blocks and its counters.
+    pub fn drop_rank(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        if let Some((w, r)) = self.rank_pos(inst, dp, tp_rank) {
+            self.clear_rank(inst, dp, tp_rank, false);
+            self.workers[w as usize].ranks.remove(r);
+            self.sync_tp(w);
+        }
+    }
+
+    /// Forget every rank of a worker (partition revoked, worker gone).
+    pub fn drop_worker(&mut self, inst: &str, dp: i64) {
+        if let Some(w) = self.worker_id(inst, dp) {
+            for r in 0..self.workers[w as usize].ranks.len() {
+                for t in 0..self.workers[w as usize].ranks[r].tables.len() {
+                    self.clear_table((w, r, t), false);
+                }
+            }
+            self.workers[w as usize].ranks.clear();
+            self.sync_tp(w);
+        }
+    }
+
+    fn rollback(&mut self) {
+        while let Some(u) = self.undo.pop() {
+            match u {
+                Undo::Insert(l, eh) => {
+                    let t = self.tab(l);
+                    let rm = t.rm;
+                    let (key, _) = t.remove(eh).expect("inserted");
+                    self.s.dec(key, rm, &mut self.hd);
+                }
+                Undo::Inc(l, eh) => {
+                    let t = self.tab(l);
+                    *t.meta_mut(eh).expect("present") -= 1;
+                    t.dups -= 1;
+                }
+                Undo::Dec(l, eh) => {
+                    *self.tab(l).meta_mut(eh).expect("present") += 1;
+                }
+                Undo::Delete(l, eh, key, meta) => {
+                    let rm = self.tab(l).rm;
+                    let ok = self.s.inc(key, rm, &mut self.hd);
+                    debug_assert!(ok);
+                    self.tab(l).insert(eh, key, meta);
+                }
+                Undo::Unknown(l) => self.tab(l).unknown -= 1,
+                Undo::Clear(l, old) => {
+                    for (_, key, _) in old.entries() {
+                        let ok = self.s.inc(key, old.rm, &mut self.hd);
+                        debug_assert!(ok);
+                    }
+                    *self.tab(l) = *old;
+                }
+                Undo::BlockSize(bs) => {
+                    self.block_sizes.remove(&bs);
+                }
+            }
+        }
+    }
+
+    // ------------------------------------------------------------ queries
+
+    fn name_ranks(&mut self) -> &[u32] {
+        if self.name_rank.len() != self.workers.len() {
+            let mut order: Vec<u32> = (0..self.workers.len() as u32).collect();
+            order.sort_by(|&a, &b| {
+                let (x, y) = (&self.workers[a as usize], &self.workers[b as usize]);
+                (x.inst.as_str(), x.dp).cmp(&(y.inst.as_str(), y.dp))
+            });
+            let mut nr = vec![0u32; order.len()];
+            for (i, &w) in order.iter().enumerate() {
+                nr[w as usize] = i as u32;
+            }
+            self.name_rank = nr;
+        }
+        &self.name_rank
+    }
+
+    /// Weights per medium id from a (name -> weight) lookup.
+    pub fn weight_array(&self, f: impl Fn(&str) -> f64) -> Vec<f64> {
+        self.media.iter().map(|m| f(m)).collect()
+    }
+
+    /// Longest held prefix per worker over every query (max per field across
+    /// queries, i.e. block sizes), ordered best first, at most `top_k`.
+    /// `mask[w]` false excludes worker w.
+    pub fn score(
+        &mut self,
+        queries: &[Query],
+        weights: &[f64],
+        mask: Option<&[bool]>,
+        top_k: Option<usize>,
+    ) -> Scores {
+        let nw = self.workers.len();
+        let nwm = self.wm_worker.len();
+        let mut out = Scores::default();
+        out.by_off.push(0);
+        if nw == 0 || self.s.count == 0 {
+            return out;
+        }
+        let mut best_run = vec![0i64; nw];
+        let mut best_score = vec![0f64; nw];
+        let mut best_wm = vec![0i64; nwm];
+        let mut run_w = vec![0u32; nw];
+        let mut score_w = vec![0f64; nw];
+        let mut run_wm = vec![0u32; nwm];
+        let mut cnt = vec![0u32; nwm];
+        let mut bestw = vec![-1f64; nw];
+        let mut touched: Vec<u32> = Vec::with_capacity(64);
+        let mut wtouched: Vec<u32> = Vec::with_capacity(64);
+        let mut hit_any = false;
+        for q in queries {
+            let (n, scale) = match q {
+                Query::Tokens { tokens, bs, .. } => (tokens.len() / 4 / bs, *bs as i64),
+                Query::Keys { keys, scale } => (keys.len(), *scale),
+            };
+            if n == 0 {
+                continue;
+            }
+            let mut key = ROOT;
+            let mut reached = 0usize;
+            for i in 0..n {
+                key = match q {
+                    Query::Tokens { tokens, bs, ctx } => {
+                        block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
+                    }
+                    Query::Keys { keys, .. } => keys[i],
+                };
+                touched.clear();
+                let hd = &self.hd;
+                let wm_worker = &self.wm_worker;
+                self.s.holders(key, |rm| {
+                    let wm = hd.rm_wm[rm as usize];
+                    let w = wm_worker[wm as usize] as usize;
+                    if run_w[w] as usize == i && mask.is_none_or(|m| m[w]) {
+                        if cnt[wm as usize] == 0 {
+                            touched.push(wm);
+                        }
+                        cnt[wm as usize] += 1;
+                    }
+                });
+                wtouched.clear();
+                for &wm in &touched {
+                    let wmu = wm as usize;
+                    if cnt[wmu] >= self.hd.wm_tp[wmu] {
+                        if run_wm[wmu] as usize == i {
+                            run_wm[wmu] = i as u32 + 1;
+                        }
+                        let w = self.wm_worker[wmu] as usize;
+                        if bestw[w] < 0.0 {
+                            wtouched.push(w as u32);
+                        }
+                        let wt = weights[self.wm_medium[wmu] as usize];
+                        if wt > bestw[w] {
+                            bestw[w] = wt;
+                        }
+                    }
+                    cnt[wmu] = 0;
+                }
+                for &w in &wtouched {
+                    let w = w as usize;
+                    run_w[w] = i as u32 + 1;
+                    score_w[w] += bestw[w];
+                    bestw[w] = -1.0;
+                }
+                if wtouched.is_empty() {
+                    break;
+                }
+                reached = i + 1;
+            }
+            if reached == 0 {
+                continue;
+            }
+            hit_any = true;
+            for w in 0..nw {
+                if run_w[w] > 0 {
+                    best_run[w] = best_run[w].max(run_w[w] as i64 * scale);
+                    best_score[w] = best_score[w].max(score_w[w] * scale as f64);
+                    run_w[w] = 0;
+                    score_w[w] = 0.0;
+                }
+            }
+            for wm in 0..nwm {
+                if run_wm[wm] > 0 {
+                    best_wm[wm] = best_wm[wm].max(run_wm[wm] as i64 * scale);
+                    run_wm[wm] = 0;
+                }
+            }
+        }
+        if !hit_any {
+            return out;
+        }
+        let mut hits: Vec<u32> = (0..nw as u32)
+            .filter(|&w| best_run[w as usize] > 0)
+            .collect();
+        let nr = self.name_ranks().to_vec();
+        let cmp = |a: &u32, b: &u32| {
+            let (a, b) = (*a as usize, *b as usize);
+            best_score[b]
+                .partial_cmp(&best_score[a])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(best_run[b].cmp(&best_run[a]))
+                .then(nr[a].cmp(&nr[b]))
+        };
+        if let Some(k) = top_k {
+            if k < hits.len() {
+                if k == 0 {
+                    hits.clear();
+                } else {
+                    hits.select_nth_unstable_by(k - 1, cmp);
+                    hits.truncate(k);
+                }
+            }
+        }
+        hits.sort_unstable_by(cmp);
+        for &w in &hits {
+            let wu = w as usize;
+            out.worker.push(w);
+            out.matched.push(best_run[wu]);
+            out.score.push(best_score[wu]);
+            for &wm in &self.workers[wu].wms {
+                if best_wm[wm as usize] > 0 {
+                    out.by_medium.push(self.wm_medium[wm as usize]);
+                    out.by_tokens.push(best_wm[wm as usize]);
+                }
+            }
+            out.by_off.push(out.by_medium.len() as u32);
+        }
+        out
+    }
+
+    pub fn context(&mut self, bs: i64, lora: Option<&str>) -> u64 {
+        self.ctx.get(bs, lora)
+    }
+
+    // ------------------------------------------------------------ stats
+
+    pub fn stats(&self) -> Vec<Stats> {
+        let mut out = vec![];
+        for wk in &self.workers {
+            if wk.ranks.is_empty() {
+                continue;
+            }
+            let mut st = Stats {
+                inst: wk.inst.clone(),
+                dp: wk.dp,
+                tp_size: wk.tp_size,
+                ranks: wk.ranks.len(),
+                blocks: vec![],
+                entries: 0,
+                orphans: 0,
+                unknown: 0,
+                dups: 0,
+            };
+            for &wm in &wk.wms {
+                let b = self.hd.wm_blocks[wm as usize];
+                if b != 0 {
+                    st.blocks
+                        .push((self.media[self.wm_medium[wm as usize] as usize].clone(), b));
+                }
+            }
+            for r in &wk.ranks {
+                for t in &r.tables {
+                    st.entries += t.count;
+                    st.orphans += t.orphans;
+                    st.unknown += t.unknown;
+                    st.dups += t.dups;
+                }
+            }
+            out.push(st);
+        }
+        out
+    }
+
+    pub fn holder_blocks(&self) -> usize {
+        self.hd.wm_blocks.iter().sum::<i64>() as usize
+    }
+
+    pub fn entries(&self) -> i64 {
+        self.workers
+            .iter()
+            .flat_map(|w| &w.ranks)
+            .flat_map(|r| &r.tables)
+            .map(|t| t.count)
+            .sum()
+    }
+
+    pub fn nbytes(&self) -> usize {
+        let mut n = self.s.nbytes()
+            + self.hd.rm_wm.len() * 4
+            + self.hd.wm_tp.len() * 16
+            + self.wm_worker.len() * 8;
+        for w in &self.workers {
+            for r in &w.ranks {
+                for t in &r.tables {
+                    n += t.nbytes();
+                }
+            }
+        }
+        n
+    }
+
+    /// (key, wm) of every holder-block.
+    pub fn holder_keys(&self, mut f: impl FnMut(u64, u32)) {
+        let tps = &self.hd.wm_tp;
+        self.s.for_each_key_wm(&self.hd, |key, wm, n| {
+            if n >= tps[wm as usize].max(1) {
+                f(key, wm)
+            }
+        });
+    }
+
+    /// Order-independent digest over the holder-blocks (key, wm) whose
+    /// `seeds[wm]` is non-zero: (sum mod 2^64 of xxh3(key LE, seed), count).
+    pub fn digest(&self, seeds: &[u64]) -> (u64, u64) {
+        let mut total = 0u64;
+        let mut n = 0u64;
+        self.holder_keys(|key, wm| {
+            let seed = seeds[wm as usize];
+            if seed != 0 {
+                total = total.wrapping_add(crate::keys::xxh3(&key.to_le_bytes(), seed));
+                n += 1;
+            }
+        });
+        (total, n)
+    }
+
+    // ------------------------------------------------------------ snapshots
+
+    /// Install exported entries of one table. Err on a duplicate engine hash,
+    /// a zero refcount or an S count ceiling: not a blob `export` wrote.
+    #[allow(clippy::too_many_arguments)]
+    pub fn import_table(
+        &mut self,
+        rank: &RankId,
+        medium: &str,
+        group: i64,
+        ehs: &[u64],
+        keys: &[u64],
+        metas: &[u16],
+        unknown: i64,
+        dups: i64,
+    ) -> Result<(), String> {
+        let l = self
+            .table(rank, Some(medium), group)
+            .map_err(|_| "too many (rank, medium) pairs".to_string())?;
+        let rm = self.tab(l).rm;
+        self.tab(l).reserve(ehs.len());
+        for i in 0..ehs.len() {
+            let m = metas[i];
+            if m & REF_MASK == 0 || self.tab(l).get(ehs[i]).is_some() {
+                return Err("inconsistent entries".into());
+            }
+            if !self.s.inc(keys[i], rm, &mut self.hd) {
+                return Err("count ceiling".into());
+            }
+            self.tab(l).insert(ehs[i], keys[i], m);
+        }
+        let t = self.tab(l);
+        t.unknown += unknown;
+        t.dups += dups;
+        Ok(())
+    }
+
+    pub fn add_block_size(&mut self, bs: i64) {
+        if bs > 0 {
+            self.block_sizes.insert(bs);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn toks(n: u32) -> Vec<u8> {
+        (1000..1000 + n)
+            .flat_map(|t: u32| t.to_le_bytes())
+            .collect()
+    }
+
+    #[test]
+    fn store_score_remove_and_overflow_rolls_back() {
+        let mut ix = Index::new();
+        let r = RankId {
+            inst: "a",
+            dp: 0,
+            tp_rank: 0,
+            tp_size: 1,
+        };
+        let t = toks(64);
+        let ehs = [1u64, 2, 3, 4];
+        let ev = Ev::Store {
+            medium: None,
+            group: 0,
+            ehs: &ehs,
+            tokens: &t,
+            bs: 16,
+            parent: None,
+            lora: None,
+            blk_ctx: None,
+        };
+        assert_eq!(ix.apply(&r, &[ev], true), Ok(4));
+        assert_eq!(ix.holder_blocks(), 4);
+        let ctx = Ctx::One(ix.context(16, None));
+        let w = vec![1.0; ix.media.len()];
+        let s = ix.score(
+            &[Query::Tokens {
+                tokens: &t,
+                bs: 16,
+                ctx,
+            }],
+            &w,
+            None,
+            None,
+        );
+        assert_eq!(s.matched, vec![64]);
+        // Fill a refcount to its ceiling, then a record that overflows applies nothing.
+        let one = [9u64];
+        let t16 = &t[..64];
+        for _ in 0..REF_MASK {
+            let ev = Ev::Store {
+                medium: None,
+                group: 0,
+                ehs: &one,
+                tokens: t16,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+            };
+            ix.apply(&r, &[ev], true).unwrap();
+        }
+        let before = (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups);
+        let rmv = [1u64];
+        let evs = [
+            Ev::Remove {
+                medium: None,
+                group: 0,
+                ehs: &rmv,
+            },
+            Ev::Clear,
+            Ev::Store {
+                medium: None,
+                group: 0,
+                ehs: &one,
+                tokens: t16,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+            },
+            Ev::Store {
+                medium: None,
+                group: 0,
+                ehs: &one,
+                tokens: t16,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+            },
+        ];
+        // After the clear the hash is new, so this record does not overflow...
+        assert!(ix.apply(&r, &evs, true).is_ok());
+        // ...but stores past the ceiling without a clear do, and leave nothing behind.
+        for _ in 0..REF_MASK - 2 {
+            let ev = Ev::Store {
+                medium: None,
+                group: 0,
+                ehs: &one,
+                tokens: t16,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+            };
+            ix.apply(&r, &[ev], true).unwrap();
+        }
+        let before2 = (
+            ix.holder_blocks(),
+            ix.entries(),
+            ix.stats()[0].dups,
+            ix.stats()[0].unknown,
+        );
+        let evs = [
+            Ev::Remove {
+                medium: None,
+                group: 0,
+                ehs: &[77],
+            },
+            Ev::Remove {
+                medium: None,
+                group: 0,
+                ehs: &one,
+            },
+            Ev::Store {
+                medium: None,
+                group: 0,
+                ehs: &one,
+                tokens: t16,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+            },
+            Ev::Store {
+                medium: None,
+                group: 0,
+                ehs: &one,
+                tokens: t16,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+            },
+        ];
+        assert_eq!(ix.apply(&r, &evs, true), Err(ApplyError::Overflow));
+        assert_eq!(
+            before2,
+            (
+                ix.holder_blocks(),
+                ix.entries(),
+                ix.stats()[0].dups,
+                ix.stats()[0].unknown
+            )
+        );
+        let _ = before;
+    }
+}

@@ -1,0 +1,675 @@
+//! Python bindings of the index (`kvwire._core.Index`) and of the key functions.
+//!
+//! `kvwire/consumer/index.py` wraps these in the typed API (`PrefixIndex`);
+//! nothing else should call them directly. Arrays cross as `bytes` of
+//! little-endian machine words (numpy reads them without a copy) and buffers
+//! (array('I'), numpy, bytes) are read in place.
+
+use pyo3::exceptions::{PyBufferError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+
+use crate::index::{ApplyError, Ev, Index, Query, RankId, Scores};
+use crate::keys::{self, Ctx};
+
+/// A contiguous buffer's bytes, held for as long as this lives.
+pub struct RawBuf {
+    view: Box<pyo3::ffi::Py_buffer>,
+}
+
+impl RawBuf {
+    pub fn get(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let mut view: Box<pyo3::ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
+        // SAFETY: a zeroed Py_buffer is what PyObject_GetBuffer fills; released in Drop.
+        let rc = unsafe {
+            pyo3::ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, pyo3::ffi::PyBUF_SIMPLE)
+        };
+        if rc != 0 {
+            return Err(PyErr::take(obj.py())
+                .unwrap_or_else(|| PyBufferError::new_err("not a contiguous buffer")));
+        }
+        Ok(RawBuf { view })
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        if self.view.len == 0 {
+            return &[];
+        }
+        // SAFETY: PyBUF_SIMPLE gives a contiguous block of `len` bytes, alive until release.
+        unsafe { std::slice::from_raw_parts(self.view.buf as *const u8, self.view.len as usize) }
+    }
+}
+
+impl Drop for RawBuf {
+    fn drop(&mut self) {
+        // SAFETY: obtained by PyObject_GetBuffer; the GIL is held wherever a RawBuf lives.
+        unsafe { pyo3::ffi::PyBuffer_Release(&mut *self.view) }
+    }
+}
+
+pub fn words_u64(b: &[u8]) -> Vec<u64> {
+    b.chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) -> Bound<'py, PyBytes> {
+    let b: Vec<u8> = v.into_iter().flat_map(|x| x.to_le_bytes()).collect();
+    PyBytes::new(py, &b)
+}
+
+/// An engine hash as the u64 the index stores: ints modulo 2^64 (negative
+/// LMCache ones too), digests through xxh3 (`keys.engine_hash_u64`).
+pub fn engine_hash(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(v) = obj.extract::<u64>() {
+        return Ok(v);
+    }
+    if let Ok(v) = obj.extract::<i64>() {
+        return Ok(v as u64);
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(keys::xxh3(b.as_bytes(), 0));
+    }
+    if obj.is_instance_of::<pyo3::types::PyInt>() {
+        let masked = obj.call_method1("__and__", (u64::MAX,))?;
+        return masked.extract::<u64>();
+    }
+    let b = RawBuf::get(obj)?;
+    Ok(keys::xxh3(b.bytes(), 0))
+}
+
+fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(t) = obj.cast::<PyTuple>() {
+        let mut v = Vec::with_capacity(t.len());
+        for x in t.iter() {
+            v.push(engine_hash(&x)?);
+        }
+        return Ok(v);
+    }
+    let mut v = vec![];
+    for x in obj.try_iter()? {
+        v.push(engine_hash(&x?)?);
+    }
+    Ok(v)
+}
+
+struct OwnedEv {
+    kind: u8,
+    medium: Option<String>,
+    group: i64,
+    ehs: Vec<u64>,
+    tokens: Option<RawBuf>,
+    bs: i64,
+    parent: Option<u64>,
+    lora: Option<String>,
+    blk_ctx: Option<Vec<u64>>,
+}
+
+fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
+    let kind: u8 = t.get_item(0)?.extract()?;
+    let mut ev = OwnedEv {
+        kind,
+        medium: None,
+        group: 0,
+        ehs: vec![],
+        tokens: None,
+        bs: 0,
+        parent: None,
+        lora: None,
+        blk_ctx: None,
+    };
+    if kind == 2 {
+        return Ok(ev);
+    }
+    ev.medium = t.get_item(1)?.extract()?;
+    ev.group = t.get_item(2)?.extract::<Option<i64>>()?.unwrap_or(0);
+    ev.ehs = hashes(&t.get_item(3)?)?;
+    if kind == 0 {
+        ev.tokens = Some(RawBuf::get(&t.get_item(4)?)?);
+        ev.bs = t.get_item(5)?.extract()?;
+        let p = t.get_item(6)?;
+        ev.parent = if p.is_none() {
+            None
+        } else {
+            Some(engine_hash(&p)?)
+        };
+        ev.lora = t.get_item(7)?.extract()?;
+        let c = t.get_item(8)?;
+        if !c.is_none() {
+            ev.blk_ctx = Some(words_u64(RawBuf::get(&c)?.bytes()));
+        }
+    }
+    Ok(ev)
+}
+
+fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
+    owned
+        .iter()
+        .map(|e| match e.kind {
+            0 => Ev::Store {
+                medium: e.medium.as_deref(),
+                group: e.group,
+                ehs: &e.ehs,
+                tokens: e.tokens.as_ref().map(|b| b.bytes()).unwrap_or(&[]),
+                bs: e.bs,
+                parent: e.parent,
+                lora: e.lora.as_deref(),
+                blk_ctx: e.blk_ctx.as_deref(),
+            },
+            1 => Ev::Remove {
+                medium: e.medium.as_deref(),
+                group: e.group,
+                ehs: &e.ehs,
+            },
+            _ => Ev::Clear,
+        })
+        .collect()
+}
+
+#[pyclass(module = "kvwire._core", name = "Index")]
+pub struct PyIndex {
+    pub ix: Index,
+    weights: std::collections::HashMap<String, f64>,
+    default_weight: f64,
+}
+
+impl PyIndex {
+    pub fn weights_for(&self, over: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<f64>> {
+        let mut out = Vec::with_capacity(self.ix.media.len());
+        for m in &self.ix.media {
+            let mut w = *self.weights.get(m).unwrap_or(&self.default_weight);
+            if let Some(d) = over {
+                if let Some(v) = d.get_item(m)? {
+                    w = v.extract()?;
+                }
+            }
+            if w < 0.0 || w.is_nan() {
+                return Err(PyValueError::new_err("medium weights must be >= 0"));
+            }
+            out.push(w);
+        }
+        Ok(out)
+    }
+
+    pub fn mask(&self, workers: &Bound<'_, PyAny>, keep: bool) -> PyResult<Vec<bool>> {
+        let mut m = vec![!keep; self.ix.workers.len()];
+        for w in workers.try_iter()? {
+            let (inst, dp): (String, i64) = w?.extract()?;
+            if let Some(id) = self.ix.worker_id(&inst, dp) {
+                m[id as usize] = keep;
+            }
+        }
+        Ok(m)
+    }
+}
+
+pub fn scores_tuple<'py>(py: Python<'py>, s: &Scores) -> PyResult<Bound<'py, PyTuple>> {
+    let w: Vec<u8> = s.worker.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let m: Vec<u8> = s.matched.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let sc: Vec<u8> = s.score.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let off: Vec<u8> = s.by_off.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let bm: Vec<u8> = s.by_medium.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let bt: Vec<u8> = s.by_tokens.iter().flat_map(|x| x.to_le_bytes()).collect();
+    PyTuple::new(
+        py,
+        [
+            PyBytes::new(py, &w),
+            PyBytes::new(py, &m),
+            PyBytes::new(py, &sc),
+            PyBytes::new(py, &off),
+            PyBytes::new(py, &bm),
+            PyBytes::new(py, &bt),
+        ],
+    )
+}
+
+/// Append a float as JSON (msgspec's form: a whole number keeps ".0").
+fn json_f64(out: &mut String, x: f64) {
+    use std::fmt::Write;
+    if x.is_finite() && x.fract() == 0.0 && x.abs() < 1e16 {
+        let _ = write!(out, "{x:.1}");
+    } else if x.is_finite() {
+        let _ = write!(out, "{x}");
+    } else {
+        out.push_str("null");
+    }
+}
+
+fn json_str(out: &mut String, s: &str) {
+    use std::fmt::Write;
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// The `/v1/score` "scores" list as JSON, straight from the arrays.
+pub fn scores_json(ix: &Index, s: &Scores) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(64 + s.worker.len() * 96);
+    out.push('[');
+    for i in 0..s.worker.len() {
+        if i > 0 {
+            out.push(',');
+        }
+        let wk = &ix.workers[s.worker[i] as usize];
+        out.push_str("{\"instance_id\":");
+        json_str(&mut out, &wk.inst);
+        let _ = write!(
+            out,
+            ",\"dp_rank\":{},\"matched_tokens\":{},\"by_medium\":{{",
+            wk.dp, s.matched[i]
+        );
+        for j in s.by_off[i] as usize..s.by_off[i + 1] as usize {
+            if j > s.by_off[i] as usize {
+                out.push(',');
+            }
+            json_str(&mut out, &ix.media[s.by_medium[j] as usize]);
+            let _ = write!(out, ":{}", s.by_tokens[j]);
+        }
+        out.push_str("},\"score\":");
+        json_f64(&mut out, s.score[i]);
+        out.push('}');
+    }
+    out.push(']');
+    out
+}
+
+#[pymethods]
+impl PyIndex {
+    #[new]
+    #[pyo3(signature = (weights=None, default_weight=0.5, capacity=0))]
+    fn new(
+        weights: Option<std::collections::HashMap<String, f64>>,
+        default_weight: f64,
+        capacity: usize,
+    ) -> Self {
+        let weights = weights.unwrap_or_else(|| {
+            [
+                ("GPU".to_string(), 1.0),
+                ("CPU".to_string(), 0.8),
+                ("STORAGE".to_string(), 0.5),
+            ]
+            .into_iter()
+            .collect()
+        });
+        let mut ix = Index::new();
+        if capacity > 0 {
+            ix.s.reserve(capacity);
+        }
+        PyIndex {
+            ix,
+            weights,
+            default_weight,
+        }
+    }
+
+    /// Apply one rank's events: (status, blocks, event, message) with status
+    /// 0 applied, 1 malformed event (`event`), 2 count ceiling (nothing applied).
+    fn apply(
+        &mut self,
+        inst: &str,
+        dp: i64,
+        tp_rank: i64,
+        tp_size: i64,
+        events: &Bound<'_, PyList>,
+        atomic: bool,
+    ) -> PyResult<(u8, u64, i64, String)> {
+        let mut owned = Vec::with_capacity(events.len());
+        for e in events.iter() {
+            owned.push(owned_event(e.cast::<PyTuple>()?)?);
+        }
+        let evs = borrow_events(&owned);
+        let rank = RankId {
+            inst,
+            dp,
+            tp_rank,
+            tp_size,
+        };
+        Ok(match self.ix.apply(&rank, &evs, atomic) {
+            Ok(n) => (0, n, -1, String::new()),
+            Err(ApplyError::Malformed(e, m)) => (1, 0, e as i64, m),
+            Err(ApplyError::Overflow) => (2, 0, -1, String::new()),
+        })
+    }
+
+    fn clear(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        self.ix.clear_rank(inst, dp, tp_rank, false);
+    }
+
+    fn drop_rank(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        self.ix.drop_rank(inst, dp, tp_rank);
+    }
+
+    fn drop_worker(&mut self, inst: &str, dp: i64) {
+        self.ix.drop_worker(inst, dp);
+    }
+
+    /// Score queries, each ("t", tokens buffer, block_size, ctx bytes | None, lora)
+    /// or ("k", keys bytes, tokens per key); returns `scores_tuple` arrays,
+    /// or the JSON list when `as_json`.
+    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn score<'py>(
+        &mut self,
+        py: Python<'py>,
+        queries: &Bound<'py, PyList>,
+        weights: Option<&Bound<'py, PyDict>>,
+        workers: Option<&Bound<'py, PyAny>>,
+        exclude: Option<&Bound<'py, PyAny>>,
+        top_k: Option<usize>,
+        as_json: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let wts = self.weights_for(weights)?;
+        let mut mask = match workers {
+            Some(w) => Some(self.mask(w, true)?),
+            None => None,
+        };
+        if let Some(x) = exclude {
+            let ex = self.mask(x, false)?;
+            mask = Some(match mask {
+                Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
+                None => ex,
+            });
+        }
+        let mut bufs = vec![];
+        let mut ctxs: Vec<Option<Vec<u64>>> = vec![];
+        let mut meta = vec![];
+        for q in queries.iter() {
+            let t = q.cast::<PyTuple>()?;
+            let kind: String = t.get_item(0)?.extract()?;
+            bufs.push(RawBuf::get(&t.get_item(1)?)?);
+            let n: i64 = t.get_item(2)?.extract()?;
+            if kind == "t" {
+                let c = t.get_item(3)?;
+                ctxs.push(if c.is_none() {
+                    None
+                } else {
+                    Some(words_u64(RawBuf::get(&c)?.bytes()))
+                });
+                let lora: Option<String> = t.get_item(4)?.extract()?;
+                meta.push((true, n, lora));
+            } else {
+                let k = words_u64(bufs.last().unwrap().bytes());
+                ctxs.push(Some(k));
+                meta.push((false, n, None));
+            }
+        }
+        let mut qs = vec![];
+        for (i, (tok, n, lora)) in meta.iter().enumerate() {
+            if *tok {
+                if *n <= 0 {
+                    continue;
+                }
+                let ctx = match &ctxs[i] {
+                    Some(c) if c.len() > 1 => Ctx::PerBlock(c),
+                    Some(c) => Ctx::One(c[0]),
+                    None => Ctx::One(self.ix.context(*n, lora.as_deref())),
+                };
+                qs.push(Query::Tokens {
+                    tokens: bufs[i].bytes(),
+                    bs: *n as usize,
+                    ctx,
+                });
+            } else {
+                qs.push(Query::Keys {
+                    keys: ctxs[i].as_ref().unwrap(),
+                    scale: *n,
+                });
+            }
+        }
+        let s = self.ix.score(&qs, &wts, mask.as_deref(), top_k);
+        if as_json {
+            return Ok(PyBytes::new(py, scores_json(&self.ix, &s).as_bytes()).into_any());
+        }
+        Ok(scores_tuple(py, &s)?.into_any())
+    }
+
+    /// (instance_id, dp_rank) of every worker id ever seen, by id.
+    fn worker_names(&self) -> Vec<(String, i64)> {
+        self.ix
+            .workers
+            .iter()
+            .map(|w| (w.inst.clone(), w.dp))
+            .collect()
+    }
+
+    fn media(&self) -> Vec<String> {
+        self.ix.media.clone()
+    }
+
+    /// (instance_id, dp_rank, medium) of every wm, by id.
+    fn wm_names(&self) -> Vec<(String, i64, String)> {
+        (0..self.ix.wm_worker.len())
+            .map(|wm| {
+                let w = &self.ix.workers[self.ix.wm_worker[wm] as usize];
+                (
+                    w.inst.clone(),
+                    w.dp,
+                    self.ix.media[self.ix.wm_medium[wm] as usize].clone(),
+                )
+            })
+            .collect()
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn stats(
+        &self,
+    ) -> Vec<(
+        String,
+        i64,
+        u32,
+        usize,
+        Vec<(String, i64)>,
+        i64,
+        i64,
+        i64,
+        i64,
+    )> {
+        self.ix
+            .stats()
+            .into_iter()
+            .map(|s| {
+                (
+                    s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown,
+                    s.dups,
+                )
+            })
+            .collect()
+    }
+
+    /// (wm ids, keys) of every holder-block, as u32 and u64 bytes.
+    fn holder_keys<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let mut wms: Vec<u8> = vec![];
+        let mut ks = vec![];
+        self.ix.holder_keys(|k, wm| {
+            wms.extend_from_slice(&wm.to_le_bytes());
+            ks.push(k);
+        });
+        (PyBytes::new(py, &wms), u64_bytes(py, ks))
+    }
+
+    fn __len__(&self) -> usize {
+        self.ix.holder_blocks()
+    }
+
+    fn entries(&self) -> i64 {
+        self.ix.entries()
+    }
+
+    fn nbytes(&self) -> usize {
+        self.ix.nbytes()
+    }
+
+    fn block_sizes(&self) -> Vec<i64> {
+        self.ix.block_sizes.iter().copied().collect()
+    }
+
+    fn add_block_sizes(&mut self, sizes: Vec<i64>) {
+        for b in sizes {
+            self.ix.add_block_size(b);
+        }
+    }
+
+    fn has_blocks(&self) -> bool {
+        self.ix.s.count > 0
+    }
+
+    /// (sum, count) over holder-blocks of xxh3(key, seeds[wm]) where seeds[wm] != 0.
+    fn digest(&self, seeds: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+        let s = words_u64(RawBuf::get(seeds)?.bytes());
+        if s.len() < self.ix.wm_worker.len() {
+            return Err(PyValueError::new_err("one seed per wm"));
+        }
+        Ok(self.ix.digest(&s))
+    }
+
+    /// The tables of these workers, in their order (ranks, then tables):
+    /// ([(inst, dp, tp_size, tp_rank, medium, group, entries, unknown, dups)], ehs, keys, metas).
+    #[allow(clippy::type_complexity)]
+    fn export_workers<'py>(
+        &self,
+        py: Python<'py>,
+        workers: Vec<(String, i64)>,
+    ) -> (
+        Vec<(String, i64, u32, i64, String, i64, i64, i64, i64)>,
+        Bound<'py, PyBytes>,
+        Bound<'py, PyBytes>,
+        Bound<'py, PyBytes>,
+    ) {
+        let mut tables = vec![];
+        let (mut ehs, mut ks, mut ms): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
+        for (inst, dp) in workers {
+            let Some(w) = self.ix.worker_id(&inst, dp) else {
+                continue;
+            };
+            let wk = &self.ix.workers[w as usize];
+            for r in &wk.ranks {
+                for t in &r.tables {
+                    tables.push((
+                        inst.clone(),
+                        dp,
+                        wk.tp_size,
+                        r.tp_rank,
+                        self.ix.media[t.medium as usize].clone(),
+                        t.group,
+                        t.count,
+                        t.unknown,
+                        t.dups,
+                    ));
+                    for (e, k, m) in t.entries() {
+                        ehs.extend_from_slice(&e.to_le_bytes());
+                        ks.extend_from_slice(&k.to_le_bytes());
+                        ms.extend_from_slice(&m.to_le_bytes());
+                    }
+                }
+            }
+        }
+        (
+            tables,
+            PyBytes::new(py, &ehs),
+            PyBytes::new(py, &ks),
+            PyBytes::new(py, &ms),
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn import_table(
+        &mut self,
+        inst: &str,
+        dp: i64,
+        tp_size: i64,
+        tp_rank: i64,
+        medium: &str,
+        group: i64,
+        ehs: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        metas: &Bound<'_, PyAny>,
+        unknown: i64,
+        dups: i64,
+    ) -> PyResult<()> {
+        let e = words_u64(RawBuf::get(ehs)?.bytes());
+        let k = words_u64(RawBuf::get(keys)?.bytes());
+        let m: Vec<u16> = RawBuf::get(metas)?
+            .bytes()
+            .chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect();
+        if e.len() != k.len() || e.len() != m.len() {
+            return Err(PyValueError::new_err("array lengths differ"));
+        }
+        let rank = RankId {
+            inst,
+            dp,
+            tp_rank,
+            tp_size,
+        };
+        self.ix
+            .import_table(&rank, medium, group, &e, &k, &m, unknown, dups)
+            .map_err(|why| {
+                PyValueError::new_err(format!("index blob: {why} for {inst}/{dp} rank {tp_rank}"))
+            })
+    }
+}
+
+// ------------------------------------------------------------------ keys
+
+/// XXH3-64 of a buffer's bytes.
+#[pyfunction]
+#[pyo3(signature = (data, seed=0))]
+fn xxh3_64(data: &Bound<'_, PyAny>, seed: u64) -> PyResult<u64> {
+    Ok(keys::xxh3(RawBuf::get(data)?.bytes(), seed))
+}
+
+/// Keys of `n` blocks of `bs` tokens (a u32 buffer) chained from `parent`;
+/// `ctx` is u64 bytes: one context for every block, or one per block.
+#[pyfunction]
+fn chain_keys<'py>(
+    py: Python<'py>,
+    tokens: &Bound<'py, PyAny>,
+    bs: usize,
+    n: usize,
+    parent: u64,
+    ctx: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let t = RawBuf::get(tokens)?;
+    let c = words_u64(RawBuf::get(ctx)?.bytes());
+    if c.is_empty() || (c.len() > 1 && c.len() < n) || t.bytes().len() < n * bs * 4 || bs == 0 {
+        return Err(PyValueError::new_err(
+            "chain_keys: short tokens or contexts",
+        ));
+    }
+    let ctx = if c.len() > 1 {
+        Ctx::PerBlock(&c)
+    } else {
+        Ctx::One(c[0])
+    };
+    let mut out = Vec::with_capacity(n);
+    keys::chain(t.bytes(), bs, n, parent, ctx, &mut out);
+    Ok(u64_bytes(py, out))
+}
+
+#[pyfunction]
+#[pyo3(signature = (block_size, lora_name=None))]
+fn context_seed(block_size: i64, lora_name: Option<&str>) -> u64 {
+    keys::context_seed(block_size, lora_name)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyIndex>()?;
+    m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
+    m.add_function(wrap_pyfunction!(chain_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(context_seed, m)?)?;
+    Ok(())
+}
