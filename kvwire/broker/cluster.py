@@ -14,6 +14,7 @@ three brokers on), and so does every topic created without its own settings.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -144,7 +145,7 @@ class LocalCluster:
                 if n.pid() is None:
                     continue
                 try:
-                    desc = probe.run_sync(lambda n=n: probe.describe_cluster(n.bootstrap, 5.0))
+                    desc = probe.run_sync(functools.partial(probe.describe_cluster, n.bootstrap, 5.0))
                 except Exception as e:
                     last = e
                     continue
