@@ -28,7 +28,7 @@ fn as_bytes<'a>(value: &'a Bound<'_, PyAny>) -> Option<&'a [u8]> {
 pub fn decode_record<'py>(py: Python<'py>, value: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
     let Some(buf) = as_bytes(value) else { return Ok(None) };
     match decode(buf) {
-        Ok(rec) => Ok(Some(batch(py, &rec)?)),
+        Ok(rec) => Ok(Some(event_batch(py, &rec)?)),
         Err(_) => Ok(None),
     }
 }
@@ -70,7 +70,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("FINGERPRINTS", d)
 }
 
-fn batch<'py>(py: Python<'py>, r: &Record<'_>) -> PyResult<Bound<'py, PyAny>> {
+/// The `kvwire.schemas.events.EventBatch` of a decoded record, equal to what `codec.decode` gives.
+pub fn event_batch<'py>(py: Python<'py>, r: &Record<'_>) -> PyResult<Bound<'py, PyAny>> {
     let w = &r.worker;
     let worker =
         WORKER_ID.import(py, EVENTS, "WorkerId")?.call1((w.instance_id, w.dp_rank, w.tp_rank, w.tp_size, w.model))?;
