@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
+from kvwire.registry.resolver import IdResolver
+
 from .apply import Applier, DeadLetter
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class IngestConfig:
     # Replication of the dead-letter topic (None: kvwire.topics' configuration/defaults).
     replication_factor: int | None = None
     min_insync_replicas: int | None = None
+    # Where Confluent-framed records' schema ids are resolved (None: $KVWIRE_SCHEMA_REGISTRY_URL).
+    schema_registry_url: str | None = None
 
     def resolved_group(self) -> str:
         # Embedded members (tests, the demo) without a group each get a fresh one; `kvwire index`
@@ -99,6 +103,7 @@ class IndexMember:
         self.applier = applier if applier is not None else Applier()
         self.snapshots = snapshots
         self.group_id = config.resolved_group()
+        self.schema_ids = IdResolver.from_env(config.schema_registry_url)
         self.assigned: set[int] = set()
         self._pending_revoke: set[int] = set()
         self._targets: dict[int, int] = {}  # end offsets seen at assignment
@@ -356,6 +361,15 @@ class IndexMember:
                 log.warning("poll failed, retrying: %r", e)
                 await asyncio.sleep(0.5)
                 continue
+            # Confluent-framed records name registry ids: fetch the unknown ones now, so that
+            # decode never does I/O. Until the registry answers nothing of this poll is applied.
+            values = [r.value for recs in batches.values() for r in recs]
+            if values and self.schema_ids.ids.missing(values):
+                try:
+                    await self.schema_ids.prefetch_retrying(values, self._stopping)
+                except Exception as e:  # stopping with the registry down: left for the next owner
+                    log.warning("stopping before the schema registry answered: %r", e)
+                    break
             for tp, recs in batches.items():
                 if tp.partition not in self.assigned:
                     continue

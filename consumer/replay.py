@@ -18,6 +18,8 @@ from datetime import datetime
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from kvwire.registry.resolver import IdResolver
+
 from .apply import Applier
 from .snapshot import Snapshots
 
@@ -56,11 +58,14 @@ async def replay(
     progress: Callable[[int, int, int], None] | None = None,
     applier: Applier | None = None,
     max_records: int = 5000,
+    schema_ids: IdResolver | None = None,
 ) -> ReplayResult:
     """Rebuild an index of ``topic``; ``progress(done, total, blocks)`` is called as it goes."""
     if start == "snapshot" and snapshots is None:
         raise ValueError('start="snapshot" needs a snapshot store')
     a = applier if applier is not None else Applier()
+    # Confluent-framed records: their registry ids are resolved per poll, before decoding.
+    ids = schema_ids if schema_ids is not None else IdResolver.from_env()
     c = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers,
         enable_auto_commit=False,
@@ -95,6 +100,7 @@ async def replay(
         pending = {tp for tp in tps if starts[tp] < ends[tp]}
         while pending:
             batches = await c.getmany(*pending, timeout_ms=1000, max_records=max_records)
+            await ids.prefetch_retrying((r.value for recs in batches.values() for r in recs), deadline_s=60.0)
             for tp, recs in batches.items():
                 end = ends[tp]
                 for r in recs:

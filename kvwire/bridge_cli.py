@@ -35,6 +35,16 @@ def bridge(
         envvar="KVWIRE_KAFKA_CONFIG",
         help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
     ),
+    framing: str = typer.Option(
+        "single-object",
+        envvar="KVWIRE_FRAMING",
+        help="single-object (no registry) or confluent (00 + registry id: Connect, ksqlDB, Confluent serdes).",
+    ),
+    schema_registry_url: str | None = typer.Option(
+        None,
+        envvar="KVWIRE_SCHEMA_REGISTRY_URL",
+        help="Schema registry (Confluent API) for --framing confluent; credentials from the environment.",
+    ),
 ) -> None:
     import asyncio
     import logging
@@ -54,6 +64,8 @@ def bridge(
             topic=topic,
             partitions=partitions,
             client_options=client_options(kafka_config),
+            framing=framing,
+            schema_registry_url=schema_registry_url,
         )
     )
     # The ZMQ stream is emitted after TP aggregation: one rank per worker.

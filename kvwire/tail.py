@@ -38,6 +38,8 @@ class TailOptions:
     timeout_s: float | None = None  # stop after this long without a new record
     # aiokafka security/client options (kvwire.options); a ClientOptions keeps the repr redacted.
     client_options: Mapping[str, Any] = dc_field(default_factory=dict)
+    # Resolves Confluent-framed records' schema ids (None: $KVWIRE_SCHEMA_REGISTRY_URL).
+    schema_registry_url: str | None = None
 
 
 class TailError(Exception):
@@ -195,7 +197,7 @@ def malformed_line(partition: int, offset: int, ts_ms: int | None, key: bytes | 
 
 def render(rec, opts: TailOptions) -> list[str]:
     """Lines to print for one Kafka record ([] when filtered out). Never raises."""
-    from kvwire.schemas.codec import DecodeError, decode, writer_version
+    from kvwire.schemas.codec import DecodeError, confluent_id, decode, framing, writer_version
 
     base = {
         "partition": rec.partition,
@@ -215,7 +217,8 @@ def render(rec, opts: TailOptions) -> list[str]:
             return []
         try:
             if opts.as_json:
-                return [json.dumps({**base, "schema_version": schema_version, "batch": batch_json(batch)})]
+                wire = {"framing": framing(rec.value), "schema_id": confluent_id(rec.value)}
+                return [json.dumps({**base, "schema_version": schema_version, **wire, "batch": batch_json(batch)})]
             return batch_lines(rec.partition, rec.offset, batch)
         except Exception as e:
             error = f"cannot render: {type(e).__name__}: {e}"
@@ -275,12 +278,23 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
         consumer.assign(tps)
         await _position(consumer, tps, start)
 
+        from kvwire.registry.client import RegistryError
+        from kvwire.registry.resolver import IdResolver
+
+        try:
+            ids = IdResolver.from_env(opts.schema_registry_url)
+        except ValueError as e:
+            raise TailError(str(e)) from None
         loop = asyncio.get_running_loop()
         printed = 0
         idle_until = None if opts.timeout_s is None else loop.time() + opts.timeout_s
         while opts.max_records is None or printed < opts.max_records:
             wait = 1.0 if idle_until is None else max(0.0, min(1.0, idle_until - loop.time()))
             got = await consumer.getmany(timeout_ms=int(wait * 1000), max_records=500)
+            try:  # registry ids of Confluent-framed records, fetched before decoding
+                await ids.prefetch_retrying((r.value for rs in got.values() for r in rs), deadline_s=30.0)
+            except RegistryError as e:
+                raise TailError(f"schema registry: {e}") from None
             for records in got.values():
                 for rec in records:
                     lines = render(rec, opts)
@@ -322,6 +336,12 @@ def tail(
         envvar="KVWIRE_KAFKA_CONFIG",
         help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
     ),
+    schema_registry_url: str | None = typer.Option(
+        None,
+        "--schema-registry-url",
+        envvar="KVWIRE_SCHEMA_REGISTRY_URL",
+        help="schema registry (Confluent API) for Confluent-framed records",
+    ),
 ) -> None:
     """Print decoded kvwire batches: one line per event, or JSON lines with --json."""
     from kvwire.options import client_options
@@ -331,7 +351,9 @@ def tail(
     except ValueError as e:
         typer.echo(f"kvwire tail: {e}", err=True)
         raise typer.Exit(2) from None
-    opts = TailOptions(bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout, copts)
+    opts = TailOptions(
+        bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout, copts, schema_registry_url
+    )
     try:
         parse_start(start)  # fail on a bad --from before connecting
         asyncio.run(run_tail(opts, sys.stdout))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,18 @@ class PublisherConfig:
     retry_backoff_s: float = 0.5
     # Passed to AIOKafkaProducer as is (SASL, TLS, client_id, request_timeout_ms, ...).
     client_options: dict[str, Any] = field(default_factory=dict)
+    # Wire framing: "single-object" (C3 01 + fingerprint; names its own schema, no registry) or
+    # "confluent" (00 + registry id; what Connect's AvroConverter, ksqlDB and Confluent's or
+    # Apicurio's serdes read). Consumers read both, mixed in one topic.
+    framing: str = "single-object"
+    # Confluent-compatible registry API for framing="confluent" (None: $KVWIRE_SCHEMA_REGISTRY_URL;
+    # basic-auth credentials always from $KVWIRE_SCHEMA_REGISTRY_USERNAME/_PASSWORD).
+    schema_registry_url: str | None = None
+    # None: TopicNameStrategy, "<topic>-value", the subject Confluent's tools look under.
+    schema_subject: str | None = None
+    # False: the current version must already be registered (e.g. by `kvwire schemas --register`)
+    # and the producer only looks its id up.
+    auto_register_schema: bool = True
 
     def __post_init__(self) -> None:
         if self.queue_size < 1:
@@ -62,3 +75,9 @@ class PublisherConfig:
             raise ValueError("partition must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.unreachable_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and unreachable_timeout_s must be > 0")
+        if self.framing not in ("single-object", "confluent"):
+            raise ValueError(f"framing must be 'single-object' or 'confluent', not {self.framing!r}")
+        if self.framing == "confluent" and not (
+            self.schema_registry_url or os.environ.get("KVWIRE_SCHEMA_REGISTRY_URL")
+        ):
+            raise ValueError("framing='confluent' needs schema_registry_url or KVWIRE_SCHEMA_REGISTRY_URL")

@@ -21,7 +21,8 @@ instance_id, inner_connector (default "LMCacheConnectorV1"), inner_module_path
 partition, model, repair_lmcache_events (default: inner is an LMCache connector),
 publisher (extra PublisherConfig fields), kafka_config (a Kafka client properties file) and
 kafka_properties (standard Kafka client property names; see kvwire.options, which also reads
-the environment).
+the environment), framing ("single-object" by default, or "confluent") and
+schema_registry_url (for "confluent"; default $KVWIRE_SCHEMA_REGISTRY_URL).
 
 Engine thread is sacred: publishing goes through the never-blocking publisher
 and every kvwire step is wrapped so a failure is counted, never raised.
@@ -154,7 +155,12 @@ class KVWireConnector(KVConnectorBase_V1):
                 topic=o.get("topic", PublisherConfig.topic),
                 partitions=int(o.get("partitions", PublisherConfig.partitions)),
                 partition=o.get("partition"),
-                **{**(o.get("publisher") or {}), "client_options": connector_client_options(o)},
+                **{
+                    "framing": o.get("framing", PublisherConfig.framing),
+                    "schema_registry_url": o.get("schema_registry_url"),
+                    **(o.get("publisher") or {}),
+                    "client_options": connector_client_options(o),
+                },
             )
             self._publisher = KafkaPublisher(cfg)
             self._stream = self._publisher.stream(worker, source="vllm-connector")

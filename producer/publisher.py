@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, encode
+from kvwire.schemas.codec import CONFLUENT, CONFLUENT_CONTENT_TYPE, CONTENT_TYPE, CURRENT, encode
 from kvwire.schemas.events import EventBatch, KVEvent, WorkerId
 
 from .config import PublisherConfig
@@ -328,6 +328,10 @@ class KafkaPublisher:
         self._started = False
         self._producer: AIOKafkaProducer | None = None
         self._num_partitions: int | None = None
+        # Confluent framing: the registry's id for CURRENT, resolved before the first send.
+        self._schema_id: int | None = None
+        self._registry_failures = 0
+        self._headers = HEADERS
         self._unacked = 0
         self._acked_total = 0
         self._tasks: list[asyncio.Task] = []
@@ -451,6 +455,8 @@ class KafkaPublisher:
                 **cfg.client_options,
             )
             try:
+                if cfg.framing == CONFLUENT and self._schema_id is None:
+                    await self._resolve_schema_id()
                 await producer.start()
                 await self._ensure_topic()
                 parts = await producer.partitions_for(cfg.topic)
@@ -475,6 +481,33 @@ class KafkaPublisher:
                 except Exception:
                     pass
                 await asyncio.sleep(cfg.retry_backoff_s)
+
+    async def _resolve_schema_id(self) -> None:
+        """Registers (or looks up) the current version under the subject; a refusal (409) is
+        retried like an outage, so records wait in the bounded queue and then count as a gap."""
+        from kvwire.registry.client import RegistryClient, RegistryConfig, topic_subject
+        from kvwire.registry.shipped import writer_id
+
+        cfg = self.config
+        reg = RegistryConfig.from_env(cfg.schema_registry_url)
+        if reg is None:
+            raise ValueError("framing='confluent' needs schema_registry_url or KVWIRE_SCHEMA_REGISTRY_URL")
+        subject = cfg.schema_subject or topic_subject(cfg.topic)
+        try:
+            sid = await asyncio.to_thread(writer_id, RegistryClient(reg), subject, CURRENT, cfg.auto_register_schema)
+        except Exception as e:
+            # Once loudly, then quietly (retried every retry_backoff_s, like the broker).
+            self._registry_failures += 1
+            level = logging.ERROR if self._registry_failures == 1 else logging.DEBUG
+            log.log(level, "schema registry %s: no id for %s under %s: %s", reg.url, CURRENT.name, subject, e)
+            raise
+        self._headers = [
+            ("content-type", CONFLUENT_CONTENT_TYPE.encode()),
+            ("schema", CURRENT.name.encode()),
+            ("schema-id", str(sid).encode()),
+        ]
+        self._schema_id = sid
+        log.info("publisher frames records as Confluent, %s = schema id %d under %s", CURRENT.name, sid, subject)
 
     async def _ensure_topic(self) -> None:
         from kvwire.topics import Replication, ensure_topic
@@ -526,7 +559,7 @@ class KafkaPublisher:
         st = item.stream
         batch = st.next_record(item)
         try:
-            value = encode(batch)
+            value = encode(batch, schema_id=self._schema_id)
             if len(value) > _MAX_RECORD:
                 raise ValueError(f"record of {len(value)} bytes exceeds {_MAX_RECORD}")
         except Exception as e:
@@ -553,7 +586,7 @@ class KafkaPublisher:
             assert self._producer is not None  # the pump starts it before sending
             try:
                 return await self._producer.send(
-                    cfg.topic, value, key=st.key, partition=partition, timestamp_ms=ts_us // 1000, headers=HEADERS
+                    cfg.topic, value, key=st.key, partition=partition, timestamp_ms=ts_us // 1000, headers=self._headers
                 )
             except (KafkaTimeoutError, KafkaError) as e:
                 if not (isinstance(e, KafkaTimeoutError) or getattr(e, "retriable", False)):

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 from kvwire.schemas.codec import SCHEMA_IDS, CodecError, SchemaIds
 
-from .client import ENV_URL, NotFound, RegistryClient, RegistryConfig, RegistryUnavailable
+from .client import NotFound, RegistryClient, RegistryConfig, RegistryUnavailable
 
 log = logging.getLogger("kvwire.registry")
 
@@ -45,9 +45,8 @@ class IdResolver:
             if self.ids.known(sid):
                 continue
             if self.client is None:
-                self._refuse(
-                    sid, f"schema id {sid}: a Confluent-framed record, but no schema registry is configured ({ENV_URL})"
-                )
+                # Nothing cached: decode's own reason ("no schema registry was asked") says what
+                # to configure, and a resolver with a registry in the same process still asks.
                 continue
             try:
                 text = self.client.schema(sid)
@@ -73,6 +72,8 @@ class IdResolver:
     async def prefetch(self, values: Iterable[bytes | None]) -> int:
         """Resolve the ids these values name that the cache lacks; returns how many were asked.
         Raises RegistryUnavailable (nothing cached for the ids it could not fetch)."""
+        if self.client is None:
+            return 0
         missing = self.ids.missing(values)
         if not missing:
             return 0

@@ -94,10 +94,12 @@ GOOD = [  # (partition, kafka timestamp, batch, writer version)
     (1, T_NEW_MS, EventBatch(B0, 77, 0, 1_710_000_000_000_001, (AllBlocksCleared(),), reset=True), 2),
 ]
 BAD = [  # (partition, kafka timestamp, key, value, error text tail prints)
-    (0, T_OLD_MS, b"inst-a/0", b"\x00\x01not-an-avro-record", "bad magic"),
+    (0, T_OLD_MS, b"inst-a/0", b"\x01\x01not-an-avro-record", "bad magic"),
     (1, T_NEW_MS, b"inst-b/0", b"\xc3\x01" + b"\xff" * 8 + b"\x02", "unknown schema fingerprint"),
     (1, T_NEW_MS, b"inst-a/1", CURRENT.header + b"\x02", "invalid Avro body"),
     (0, T_NEW_MS, b"inst-a/0", None, "tombstone"),
+    # Confluent framing (00 + id) and no schema registry configured: says what to configure
+    (0, T_NEW_MS, b"inst-a/0", b"\x00\x00\x00\x00\x07not-an-avro-record", "no schema registry was asked"),
 ]
 
 
@@ -210,6 +212,9 @@ def expected_json(pos, ts, batch: EventBatch, version: int) -> dict:
         "timestamp_ms": ts,
         "key": w.kafka_key().decode(),
         "schema_version": version,
+        # every record here is single-object; tests/registry covers Confluent-framed ones
+        "framing": "single-object",
+        "schema_id": None,
         "batch": {
             "worker": {
                 "instance_id": w.instance_id,
@@ -246,9 +251,9 @@ def test_json_equals_what_was_produced(loaded):
     assert len(lines) == len(got) == len(good) + len(bad)
     for pos, (ts, batch, v) in good.items():
         assert got[pos] == expected_json(pos, ts, batch, v)
-    for pos, (_ts, key, err) in bad.items():
+    for pos, (bad_ts, key, err) in bad.items():
         d = got[pos]
-        assert d["key"] == key.decode() and d["timestamp_ms"] == ts
+        assert d["key"] == key.decode() and d["timestamp_ms"] == bad_ts
         assert err in d["error"], d
         assert "batch" not in d
 
