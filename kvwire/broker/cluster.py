@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -125,9 +126,17 @@ class LocalCluster:
     def live_nodes(self) -> int:
         return sum(1 for n in self.nodes if n.pid() is not None)
 
-    def stop(self) -> None:
-        for n in self.nodes:
-            n.stop()
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Graceful, all nodes at once: one by one, the last ones would wait for a controller
+        quorum that has already gone and hang until killed."""
+        pids = [(n, n.pid()) for n in self.nodes]
+        for n, pid in pids:
+            if pid is not None:
+                n._signal(pid, signal.SIGTERM)
+        for n, pid in pids:
+            if pid is not None and not n._wait_dead(pid, timeout_s):
+                log.warning("broker pid %s ignored SIGTERM for %.0fs; killing", pid, timeout_s)
+            n.kill()  # no-op for a node that is gone; also drops its pid file
 
     def kill(self) -> None:
         for n in self.nodes:
@@ -139,6 +148,16 @@ class LocalCluster:
     def wait_brokers(self, count: int, timeout_s: float | None = None) -> None:
         """Until some node's metadata lists ``count`` registered brokers."""
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
+        # Probing nodes that are still starting makes aiokafka log a connection error per try.
+        quiet = logging.getLogger("aiokafka")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            self._wait_brokers(count, deadline)
+        finally:
+            quiet.setLevel(level)
+
+    def _wait_brokers(self, count: int, deadline: float) -> None:
         last: Any = None
         while time.monotonic() < deadline:
             for n in self.nodes:
