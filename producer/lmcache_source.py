@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from msgspec.structs import replace
 
-from kvwire.schemas.events import BlockStored, KVEvent
+from kvwire.schemas.events import BlockRemoved, BlockStored, KVEvent
 
 from .sink import EventSink
 from .vllm_wire import WireError, event_from_object
@@ -136,8 +136,107 @@ class LMCacheRepair:
         return out
 
 
+class RemovalObserver:
+    """Sees LMCache's own inserts and removals on its local CPU tier, in their true order.
+
+    LMCache 0.5.6 emits a store event per chunk that ``store()`` processes, before the chunk is
+    put, and none for removals. Two facts make those events alone wrong for an index: a chunk
+    already held still gets a store event (``submit_put_task`` skips it), and an eviction can
+    land between a chunk's event and its put (the same ``store()`` call allocating a later
+    chunk). So membership is read where it changes: ``LocalCPUBackend``'s cache policy hears
+    every insert (``update_on_put``) and every forced removal or layerwise eviction
+    (``update_on_force_evict``), and ``remove(force=False)`` is the plain eviction path. All
+    of them run under the backend's ``cpu_lock``, so the order they are recorded in is the
+    order they happened. The hooks only append to a deque: they never block the engine and
+    never raise into it. Store events supply what a put lacks (token ids, parent).
+
+    Other tiers (disk, remote) emit nothing LMCache-side: their contents are not reported.
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.transitions: deque[tuple[bool, Any]] = deque()  # (inserted?, chunk hash)
+        self.hooked: list[str] = []
+        self.unobserved: list[str] = []
+        self.hook_errors = 0
+        self._undo: list[tuple[Any, str, Any]] = []
+        backends = getattr(getattr(engine, "storage_manager", None), "storage_backends", None) or {}
+        for name, backend in dict(backends).items():
+            policy = getattr(backend, "cache_policy", None)
+            if type(backend).__name__ == "LocalCPUBackend" and all(
+                callable(getattr(policy, m, None)) for m in ("update_on_put", "update_on_force_evict")
+            ):
+                self._hook(backend, policy)
+                self.hooked.append(str(name))
+            else:
+                self.unobserved.append(str(name))
+
+    @property
+    def exact(self) -> bool:
+        """Every tier that holds chunks is observed."""
+        return bool(self.hooked) and not self.unobserved
+
+    def _note(self, inserted: bool, key: Any) -> None:
+        try:
+            self.transitions.append((inserted, key.chunk_hash))
+        except Exception:
+            self.hook_errors += 1
+
+    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        orig = getattr(obj, name)
+        setattr(obj, name, make(orig))
+        self._undo.append((obj, name, orig))
+
+    def _hook(self, backend: Any, policy: Any) -> None:
+        note = self._note
+
+        def on_put(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def update_on_put(key: Any, *a: Any, **kw: Any) -> Any:
+                out = orig(key, *a, **kw)  # the engine's own step first; its errors are its own
+                note(True, key)
+                return out
+
+            return update_on_put
+
+        def on_force_evict(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def update_on_force_evict(key: Any, *a: Any, **kw: Any) -> Any:
+                out = orig(key, *a, **kw)
+                note(False, key)
+                return out
+
+            return update_on_force_evict
+
+        def on_remove(orig: Callable[..., Any]) -> Callable[..., Any]:
+            def remove(key: Any, force: bool = True) -> Any:
+                out = orig(key, force=force)
+                if out and not force:  # a forced remove told the policy already
+                    note(False, key)
+                return out
+
+            return remove
+
+        self._wrap(policy, "update_on_put", on_put)
+        self._wrap(policy, "update_on_force_evict", on_force_evict)
+        self._wrap(backend, "remove", on_remove)
+
+    def detach(self) -> None:
+        for obj, name, _orig in reversed(self._undo):
+            try:
+                delattr(obj, name)  # the instance attribute shadowed the class's method
+            except AttributeError:
+                pass
+        self._undo.clear()
+
+
+# A put whose store event has not arrived after this many polls never will (LMCache's drain
+# race lost it, or events are off): it is reported as a gap.
+MAX_PUT_WAIT_POLLS = 200
+# Store events kept for puts still to come: enough for any store() call's chunks.
+MAX_PENDING_STORES = 65536
+
+
 class LMCacheSource:
-    """Polls one LMCacheEngine and publishes what it stored.
+    """Polls one LMCacheEngine and publishes what it stored and what it removed.
 
     ``poll_once()`` can be called from the thread that runs the engine (no race);
     ``start()`` polls from a daemon thread every ``interval_s``. LMCache's
@@ -145,34 +244,126 @@ class LMCacheSource:
     the swap can be lost to every consumer of ``get_kv_events``, LMCache's own
     vLLM connector included; prefer ``poll_once`` on the engine's thread where
     the caller owns one.
+
+    With ``observe_removals`` (default) the engine's CPU tier is observed
+    (:class:`RemovalObserver`) and the stream is exact: stores are published when the
+    chunk is really inserted, removals when it is really removed. Without it, or when
+    the engine has no observable tier, only LMCache's store events go out and the
+    worker is :attr:`approximate` (it may be credited with chunks LMCache evicted).
+    Every event that cannot be converted or published is reported as a gap.
     """
 
-    def __init__(self, engine: Any, sink: EventSink, interval_s: float = 0.05, repair: LMCacheRepair | None = None):
+    def __init__(
+        self,
+        engine: Any,
+        sink: EventSink,
+        interval_s: float = 0.05,
+        repair: LMCacheRepair | None = None,
+        observe_removals: bool = True,
+    ):
         self.engine = engine
         self.sink = sink
         self.interval_s = interval_s
         self.repair = repair or LMCacheRepair(engine_chunk_hasher(engine))
+        self.observer = RemovalObserver(engine) if observe_removals else None
         self.polls = 0
         self.published = 0
+        self.removals = 0
+        self.duplicates = 0  # store events for chunks LMCache already held (not inserted)
         self.errors = 0
+        self.gaps = 0
+        self._gaps_sent = 0
+        self._stores: OrderedDict[Any, BlockStored] = OrderedDict()
+        self._held: set[Any] = set()
+        self._waited = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    @property
+    def approximate(self) -> bool:
+        """True when LMCache's removals cannot be seen: the index may overstate this worker."""
+        return self.observer is None or not self.observer.exact
+
+    def _gap(self, n: int, why: str) -> None:
+        self.gaps += n
+        log.warning("LMCache source lost %d batch(es): %s", n, why)
+        try:
+            self.sink.report_gap(n)
+        except Exception:
+            log.exception("report_gap failed")
+
     def poll_once(self) -> int:
         """Drain and publish; returns the number of events published. Never raises."""
+        events: list[KVEvent] = []
         try:
             self.polls += 1
             raw = self.engine.get_kv_events()
-            if not raw:
-                return 0
-            events = self.repair.convert(raw)
-            if events and self.sink.publish(events):
-                self.published += len(events)
-            return len(events)
+            bad = self.repair.stats.bad_events
+            converted = self.repair.convert(raw) if raw else []
+            if self.repair.stats.bad_events > bad:
+                self._gap(1, f"{self.repair.stats.bad_events - bad} LMCache event(s) could not be converted")
+            if self.observer is None or not self.observer.hooked:
+                events = converted
+            else:
+                events = self._membership(converted)
         except Exception as e:
             self.errors += 1
-            log.warning("LMCache poll failed: %s: %s", type(e).__name__, e)
-            return 0
+            events = []
+            self._gap(1, f"poll failed: {type(e).__name__}: {e}")
+        try:
+            if events:
+                if self.sink.publish(events):  # also carries any gap reported above
+                    self.published += len(events)
+                self._gaps_sent = self.gaps
+            elif self.gaps > self._gaps_sent:
+                self._gaps_sent = self.gaps
+                self.sink.publish(())  # the gap reaches the index now, not with the next store
+        except Exception as e:
+            self.errors += 1
+            self._gap(1, f"publish failed: {type(e).__name__}: {e}")
+            try:
+                self.sink.publish(())
+                self._gaps_sent = self.gaps
+            except Exception:
+                pass
+        return len(events)
+
+    def _membership(self, converted: list[KVEvent]) -> list[KVEvent]:
+        """Store events + observed transitions -> the events that change what the index holds."""
+        for ev in converted:
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    self._stores[h] = ev
+                    self._stores.move_to_end(h)
+                while len(self._stores) > MAX_PENDING_STORES:
+                    self._stores.popitem(last=False)
+        out: list[KVEvent] = []
+        q = self.observer.transitions
+        while q:
+            inserted, h = q[0]
+            if inserted:
+                ev = self._stores.pop(h, None)
+                if ev is None:
+                    self._waited += 1
+                    if self._waited <= MAX_PUT_WAIT_POLLS:
+                        break  # its store event is still in LMCache's list: next poll
+                    self._gap(1, f"chunk {h} was inserted but its store event never came")
+                    q.popleft()
+                    self._waited = 0
+                    continue
+                self._waited = 0
+                if h not in self._held:
+                    self._held.add(h)
+                    out.append(ev if len(ev.block_hashes) == 1 else _one_chunk(ev, h))
+            elif h in self._held:
+                self._held.discard(h)
+                self.removals += 1
+                out.append(BlockRemoved((h,), medium=CPU_MEDIUM))
+            q.popleft()
+        self.duplicates += sum(1 for ev in converted if isinstance(ev, BlockStored)) - sum(
+            1 for ev in out if isinstance(ev, BlockStored)
+        )
+        return out
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -190,6 +381,26 @@ class LMCacheSource:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        if self.observer is not None:
+            self.observer.detach()
 
 
-__all__ = ["UNKNOWN_PARENT", "LMCacheRepair", "LMCacheSource", "RepairStats", "engine_chunk_hasher"]
+CPU_MEDIUM = "CPU"
+
+
+def _one_chunk(ev: BlockStored, h: Any) -> BlockStored:
+    """The part of a multi-chunk store event that is chunk ``h`` (LMCache sends one per event)."""
+    i = ev.block_hashes.index(h)
+    bs = ev.block_size
+    parent = ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1]
+    return replace(ev, block_hashes=(h,), parent_block_hash=parent, token_ids=ev.token_ids[i * bs : (i + 1) * bs])
+
+
+__all__ = [
+    "UNKNOWN_PARENT",
+    "LMCacheRepair",
+    "LMCacheSource",
+    "RemovalObserver",
+    "RepairStats",
+    "engine_chunk_hasher",
+]
