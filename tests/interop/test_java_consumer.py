@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 from ci_env import unavailable
+from schema_registry import schema_registry  # noqa: F401  (the session fixture, by name)
 
 from kvwire.schemas.codec import CONTENT_TYPE, VERSIONS, encode
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
@@ -439,3 +440,59 @@ def test_java_decodes_what_the_kvwire_publisher_wrote(interop_jar, kafka_bootstr
         seen.extend(batch.events)
     assert lines[0]["record"]["reset"] is True
     assert tuple(seen) == tuple(e for events in published for e in events)
+
+
+# ---------------------------------------------------------------- Confluent framing
+
+
+def test_java_consumer_reads_confluent_framed_records(interop_jar, kafka_bootstrap, new_topic, schema_registry):  # noqa: F811
+    # Both framings and both writer versions interleaved in one topic: Java takes the writer
+    # schema of a Confluent-framed record from the registry by its id (plain Apache Avro, no
+    # kvwire code) and resolves it to the newest shipped version, as it does for single-object.
+    from kvwire.registry.client import RegistryClient, RegistryConfig, topic_subject
+    from kvwire.registry.shipped import register_shipped
+
+    topic = new_topic(partitions=3)
+    ids = dict(register_shipped(RegistryClient(RegistryConfig(schema_registry)), topic_subject(topic)))
+    batches = sample_batches()
+    framed = [(b, v, ids[v] if i % 2 == 0 else None) for i, (b, v) in enumerate(batches)]
+    assert {(v, sid is None) for _, v, sid in framed} == {(1, True), (1, False), (2, True), (2, False)}
+
+    async def produce_framed() -> dict[tuple[int, int], tuple]:
+        from aiokafka import AIOKafkaProducer
+
+        producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, enable_idempotence=True)
+        await producer.start()
+        try:
+            sent = {}
+            for batch, version, sid in framed:
+                key = batch.worker.kafka_key()
+                value = encode(batch, version=version, schema_id=sid)
+                md = await producer.send_and_wait(topic, value, key=key, headers=headers_for(version))
+                sent[(md.partition, md.offset)] = (batch, version, key, sid)
+            return sent
+        finally:
+            await producer.stop()
+
+    sent = asyncio.run(produce_framed())
+    java_fp = {v: d["fingerprint"] for v, d in java_fingerprints(REPO / "schemas" / "avro").items()}
+    proc = _java(
+        "consume-confluent",
+        kafka_bootstrap,
+        topic,
+        str(REPO / "schemas" / "avro"),
+        schema_registry,
+        str(len(sent)),
+        "120000",
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = [json.loads(x) for x in proc.stdout.splitlines()]
+    assert sorted((d["partition"], d["offset"]) for d in lines) == sorted(sent)
+    for line in lines:
+        batch, version, key, sid = sent[(line["partition"], line["offset"])]
+        assert line["framing"] == ("single-object" if sid is None else "confluent")
+        assert line.get("schema_id") == sid
+        # writer_fingerprint of a Confluent record is that of the schema the registry returned
+        # for its id: the registry holds exactly the version it was written with
+        check_record(line, batch, version, key, java_fp)

@@ -7,6 +7,10 @@ import com.fasterxml.jackson.databind.node.JsonNodeFactory;
 import com.fasterxml.jackson.databind.node.ObjectNode;
 import java.io.IOException;
 import java.io.PrintStream;
+import java.net.URI;
+import java.net.http.HttpClient;
+import java.net.http.HttpRequest;
+import java.net.http.HttpResponse;
 import java.nio.ByteBuffer;
 import java.nio.ByteOrder;
 import java.nio.charset.StandardCharsets;
@@ -16,6 +20,7 @@ import java.time.Duration;
 import java.util.ArrayList;
 import java.util.Collection;
 import java.util.Comparator;
+import java.util.HashMap;
 import java.util.HexFormat;
 import java.util.List;
 import java.util.Map;
@@ -26,9 +31,12 @@ import java.util.stream.Stream;
 import org.apache.avro.Schema;
 import org.apache.avro.SchemaNormalization;
 import org.apache.avro.generic.GenericData;
+import org.apache.avro.generic.GenericDatumReader;
 import org.apache.avro.generic.GenericEnumSymbol;
 import org.apache.avro.generic.GenericFixed;
 import org.apache.avro.generic.GenericRecord;
+import org.apache.avro.io.BinaryDecoder;
+import org.apache.avro.io.DecoderFactory;
 import org.apache.avro.message.BinaryMessageDecoder;
 import org.apache.avro.message.SchemaStore;
 import org.apache.kafka.clients.consumer.ConsumerConfig;
@@ -48,6 +56,11 @@ import org.apache.kafka.common.serialization.ByteArrayDeserializer;
  *     one JSON line per .avsc: file, CRC-64-AVRO fingerprint (hex of the Java long), header bytes
  * consume BOOTSTRAP TOPIC SCHEMA_DIR COUNT TIMEOUT_MS
  *     one JSON line per record until COUNT records or TIMEOUT_MS; exit 2 when short of COUNT
+ * consume-confluent BOOTSTRAP TOPIC SCHEMA_DIR REGISTRY_URL COUNT TIMEOUT_MS
+ *     the same, reading Confluent-framed records too (00 + 4-byte big-endian schema id + body):
+ *     the writer schema comes from the registry's Confluent API (GET /schemas/ids/ID), and
+ *     Apache Avro resolves it to the newest shipped version. (Apicurio's own serdes would do the
+ *     lookup for us, but their 3.0.9 release's parent pom is not on Maven Central.)
  * </pre>
  *
  * <p>JSON shape: bytes as lowercase hex; a union with more than one non-null branch is tagged
@@ -68,11 +81,17 @@ public final class ConsumeAndDecode {
       return;
     }
     if (args.length == 6 && args[0].equals("consume")) {
-      int got = consume(args[1], args[2], loadSchemas(Path.of(args[3])),
+      int got = consume(args[1], args[2], loadSchemas(Path.of(args[3])), null,
           Integer.parseInt(args[4]), Long.parseLong(args[5]), System.out);
       System.exit(got >= Integer.parseInt(args[4]) ? 0 : 2);
     }
-    System.err.println("usage: fingerprints SCHEMA_DIR | consume BOOTSTRAP TOPIC SCHEMA_DIR COUNT TIMEOUT_MS");
+    if (args.length == 7 && args[0].equals("consume-confluent")) {
+      int got = consume(args[1], args[2], loadSchemas(Path.of(args[3])), new RegistryIds(args[4]),
+          Integer.parseInt(args[5]), Long.parseLong(args[6]), System.out);
+      System.exit(got >= Integer.parseInt(args[5]) ? 0 : 2);
+    }
+    System.err.println("usage: fingerprints SCHEMA_DIR | consume BOOTSTRAP TOPIC SCHEMA_DIR COUNT TIMEOUT_MS"
+        + " | consume-confluent BOOTSTRAP TOPIC SCHEMA_DIR REGISTRY_URL COUNT TIMEOUT_MS");
     System.exit(64);
   }
 
@@ -110,8 +129,34 @@ public final class ConsumeAndDecode {
     }
   }
 
-  static int consume(String bootstrap, String topic, List<Loaded> schemas, int count,
-      long timeoutMs, PrintStream out) throws IOException {
+  /** Schema-registry id to writer schema, each id fetched once (Confluent REST API). */
+  static final class RegistryIds {
+    private final String url;
+    private final HttpClient http = HttpClient.newHttpClient();
+    private final Map<Integer, Schema> cache = new HashMap<>();
+
+    RegistryIds(String url) {
+      this.url = url.endsWith("/") ? url.substring(0, url.length() - 1) : url;
+    }
+
+    Schema get(int id) throws IOException, InterruptedException {
+      Schema s = cache.get(id);
+      if (s == null) {
+        HttpResponse<String> r = http.send(
+            HttpRequest.newBuilder(URI.create(url + "/schemas/ids/" + id)).GET().build(),
+            HttpResponse.BodyHandlers.ofString());
+        if (r.statusCode() != 200) {
+          throw new IOException("schema id " + id + ": registry answered " + r.statusCode());
+        }
+        s = new Schema.Parser().parse(JSON.readTree(r.body()).get("schema").asText());
+        cache.put(id, s);
+      }
+      return s;
+    }
+  }
+
+  static int consume(String bootstrap, String topic, List<Loaded> schemas, RegistryIds registry,
+      int count, long timeoutMs, PrintStream out) throws IOException {
     SchemaStore.Cache store = new SchemaStore.Cache();
     for (Loaded l : schemas) {
       store.addSchema(l.schema());
@@ -138,7 +183,7 @@ public final class ConsumeAndDecode {
       consumer.seekToBeginning(tps);
       while (got < count && System.currentTimeMillis() < deadline) {
         for (ConsumerRecord<byte[], byte[]> rec : consumer.poll(Duration.ofMillis(200))) {
-          out.println(JSON.writeValueAsString(describe(rec, decoder)));
+          out.println(JSON.writeValueAsString(describe(rec, decoder, reader, registry)));
           got++;
         }
       }
@@ -148,7 +193,7 @@ public final class ConsumeAndDecode {
   }
 
   static ObjectNode describe(ConsumerRecord<byte[], byte[]> rec,
-      BinaryMessageDecoder<GenericRecord> decoder) {
+      BinaryMessageDecoder<GenericRecord> decoder, Schema reader, RegistryIds registry) {
     ObjectNode o = NODES.objectNode();
     o.put("partition", rec.partition());
     o.put("offset", rec.offset());
@@ -159,12 +204,28 @@ public final class ConsumeAndDecode {
           .add(h.value() == null ? null : new String(h.value(), StandardCharsets.UTF_8));
     }
     byte[] v = rec.value();
-    if (v != null && v.length >= 10) {
-      // Which writer schema the record names: lets the test prove old versions were resolved.
-      long fp = ByteBuffer.wrap(v, 2, 8).order(ByteOrder.LITTLE_ENDIAN).getLong();
-      o.put("writer_fingerprint", String.format("%016x", fp));
-    }
     try {
+      if (registry != null && v != null && v.length >= 5 && v[0] == 0) {
+        int id = ByteBuffer.wrap(v, 1, 4).getInt();  // big-endian, as Confluent frames it
+        o.put("framing", "confluent");
+        o.put("schema_id", id);
+        Schema writer = registry.get(id);
+        o.put("writer_fingerprint",
+            String.format("%016x", SchemaNormalization.parsingFingerprint64(writer)));
+        BinaryDecoder body = DecoderFactory.get().binaryDecoder(v, 5, v.length - 5, null);
+        GenericRecord r = new GenericDatumReader<GenericRecord>(writer, reader).read(null, body);
+        if (!body.isEnd()) {
+          throw new IOException("trailing bytes after the record");
+        }
+        o.set("record", toJson(r, null));
+        return o;
+      }
+      o.put("framing", "single-object");
+      if (v != null && v.length >= 10) {
+        // Which writer schema the record names: lets the test prove old versions were resolved.
+        long fp = ByteBuffer.wrap(v, 2, 8).order(ByteOrder.LITTLE_ENDIAN).getLong();
+        o.put("writer_fingerprint", String.format("%016x", fp));
+      }
       o.set("record", toJson(decoder.decode(v), null));
     } catch (Exception e) {
       o.put("error", e.getClass().getSimpleName() + ": " + e.getMessage());
