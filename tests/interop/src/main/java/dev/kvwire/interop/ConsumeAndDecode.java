@@ -60,7 +60,8 @@ import org.apache.kafka.common.serialization.ByteArrayDeserializer;
  *     the same, reading Confluent-framed records too (00 + 4-byte big-endian schema id + body):
  *     the writer schema comes from the registry's Confluent API (GET /schemas/ids/ID), and
  *     Apache Avro resolves it to the newest shipped version. (Apicurio's own serdes would do the
- *     lookup for us, but their 3.0.9 release's parent pom is not on Maven Central.)
+ *     lookup for us, but they do not resolve from Maven Central alone: 3.0.9's parent pom is not
+ *     served there, and 3.0.7's dependencies need a repository outside it.)
  * </pre>
  *
  * <p>JSON shape: bytes as lowercase hex; a union with more than one non-null branch is tagged
