@@ -579,3 +579,20 @@ def test_unknown_property_is_named_but_its_value_is_not_logged(logs):
     assert aiokafka_options({"sasl.oauthbearer.token": SECRET}) == {}
     assert "sasl.oauthbearer.token" in logs.text
     assert_secret_free(logs.text, secrets=(SECRET,))
+
+
+def test_connector_config_goes_through_the_same_helper(tmp_path, monkeypatch):
+    from kvwire.options import connector_client_options
+
+    monkeypatch.setenv("KVWIRE_KAFKA_CLIENT_ID", "from-env")
+    f = write_properties(tmp_path / "c.properties", {"security.protocol": "SASL_PLAINTEXT", "sasl.username": "u"})
+    extra = {
+        "kafka_config": str(f),
+        "kafka_properties": {"sasl.password": SECRET, "sasl.mechanism": "PLAIN"},
+        "publisher": {"client_options": {"request_timeout_ms": 1234}},  # aiokafka keywords, as before
+    }
+    opts = connector_client_options(extra)
+    assert opts["security_protocol"] == "SASL_PLAINTEXT" and opts["sasl_mechanism"] == "PLAIN"
+    assert (opts["sasl_plain_username"], opts["sasl_plain_password"]) == ("u", SECRET)
+    assert opts["client_id"] == "from-env" and opts["request_timeout_ms"] == 1234
+    assert_secret_free(repr(opts), secrets=(SECRET,))
