@@ -28,6 +28,7 @@ class IdResolver:
         self.ids = ids
         self.fetched = 0
         self.refused = 0
+        self.unavailable = 0  # prefetch attempts the registry did not answer
 
     @classmethod
     def from_env(cls, url: str | None = None, ids: SchemaIds = SCHEMA_IDS) -> IdResolver:
@@ -99,6 +100,7 @@ class IdResolver:
             try:
                 return await self.prefetch(values)
             except RegistryUnavailable as e:
+                self.unavailable += 1
                 if (stop is not None and stop.is_set()) or (give_up is not None and loop.time() >= give_up):
                     raise
                 log.log(logging.DEBUG if warned else logging.WARNING, "schema registry unavailable, retrying: %s", e)
