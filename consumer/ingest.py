@@ -71,6 +71,9 @@ class IngestConfig:
     snapshot_retry_s: float = 1.0
     snapshot_retry_max_s: float = 60.0
     snapshot_failure_limit: int = 5
+    # A snapshot round that has not finished by then counts as failed (a store that hangs,
+    # e.g. a partition without a leader, must not leave the member healthy forever).
+    snapshot_timeout_s: float = 300.0
     # Replication of the dead-letter topic (None: kvwire.topics' configuration/defaults).
     replication_factor: int | None = None
     min_insync_replicas: int | None = None
@@ -200,8 +203,9 @@ class IndexMember:
             if time.monotonic() < retry_at or not self.ready or self._assigning:
                 continue
             try:
-                await self.snapshots.maybe_save(
-                    self.applier, self.config.topic, sorted(self.assigned), owned=self._owns
+                await asyncio.wait_for(
+                    self.snapshots.maybe_save(self.applier, self.config.topic, sorted(self.assigned), owned=self._owns),
+                    cfg.snapshot_timeout_s,
                 )
             except Exception as e:
                 self._snap_failures += 1
