@@ -19,6 +19,8 @@ from kvwire.cli import app
 from kvwire.registry.client import IncompatibleSchema, RegistryClient, RegistryConfig
 from kvwire.schemas.codec import CURRENT, VERSIONS
 
+pytestmark = pytest.mark.integration  # a real registry, started by the suite
+
 
 def _client(url: str) -> RegistryClient:
     return RegistryClient(RegistryConfig(url))
