@@ -231,57 +231,70 @@ async def test_rolling_restart_under_load(kafka_cluster):
 
 
 async def test_dead_letters_and_snapshots_survive_a_broker_loss(kafka_cluster, tmp_path):
+    """The broker leading the dead-letter and snapshot topics dies while poison records are still
+    being dead-lettered and snapshots written. Once a dead letter is acknowledged the member
+    commits past its source record, so the DLQ copy is the only one: every one must still be there.
+    A cold member then restores from the snapshot topic with that broker still down."""
     bootstrap = kafka_cluster.bootstrap
     topic = f"faults-dlq-snap-{uuid.uuid4().hex[:8]}"
     dlq = f"{topic}.dlq"
     snap_topic = f"{topic}.snapshots"
     fleet = member = cold = None
     killed = None
-    bad = 300
+    half = 150
+    rng = random.Random(5)
+    prod = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+
+    async def poison(first: int, n: int) -> None:
+        # Values no decoder accepts: each must end up as a dead letter.
+        for i in range(first, first + n):
+            await prod.send_and_wait(topic, b"\xff" + rng.randbytes(rng.randrange(1, 64)), key=b"poison%d" % i)
+
     try:
+        await prod.start()
         fleet = await asyncio.to_thread(Fleet, bootstrap, topic, 2, sim={"seed": 51}, pub={"heartbeat_interval_s": 1.0})
         await asyncio.to_thread(fleet.run, 150)
         await wait_until(lambda: fleet.acked_count() >= 150, 120, "first acknowledgements")
         snaps = snapshot_store(bootstrap, topic, interval_s=0.2, every_records=50)
         member = await start_member(bootstrap, topic, snapshots=snaps)
-        # Poison: values no decoder accepts, each must end up as a dead letter.
-        rng = random.Random(5)
-        prod = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
-        await prod.start()
-        try:
-            for i in range(bad):
-                await prod.send_and_wait(topic, b"\xff" + rng.randbytes(rng.randrange(1, 64)), key=b"poison%d" % i)
-        finally:
-            await prod.stop()
-        await asyncio.to_thread(fleet.run, 150)
-        await wait_until(lambda: member.applier.metrics.dead_letters._value.get() >= bad, 120, "dead letters sent")
+        await poison(0, half)
+        await wait_until(lambda: member.applier.metrics.dead_letters._value.get() >= half, 120, "dead letters sent")
+        fleet.start(pace_s=0.005)
         await wait_until(lambda: snaps.saved >= 2, 120, "snapshots written")
+        for t in (dlq, snap_topic):
+            await assert_replicated(bootstrap, t)
+
+        # Mid-stream: the second half of the poison is on its way when the broker goes.
+        leaders = [p["leader"] for t in (dlq, snap_topic) for p in await partitions(bootstrap, t)]
+        victim = max(set(leaders), key=leaders.count)
+        killed = kafka_cluster.node_of(victim)
+        second = asyncio.create_task(poison(half, half))
+        await wait_until(lambda: member.applier.metrics.dead_letters._value.get() >= half + 20, 120, "more poison")
+        in_flight = fleet.in_flight() + len(member.applier.dead_letters)
+        saved_at_kill = snaps.saved
+        t_kill = time.monotonic()
+        await asyncio.to_thread(kafka_cluster.kill_node, killed)
+        await second
+        await wait_until(
+            lambda: member.applier.metrics.dead_letters._value.get() >= 2 * half, 120, "every dead letter sent"
+        )
+        await wait_until(lambda: snaps.saved > saved_at_kill + 2, 120, "snapshots written after the loss")
         stats = await asyncio.to_thread(fleet.close, 60)
         assert sum(s.dropped + s.lost + s.failed for s in stats) == 0, stats
         records = await read_log(bootstrap, topic)
         exp = build_expected(records, fleet.acks, fleet.epochs)
         assert exp.acked_lost == 0
         await wait_until(lambda: diff_index(member.applier.index, exp) is None, 120, "member equal to oracle")
-        saved = snaps.saved
+        assert member.healthy
         await member.stop()  # a clean stop snapshots every partition it holds, at the log end
         member = None
-        assert snaps.saved >= saved + 2
-        for t in (dlq, snap_topic):
-            await assert_replicated(bootstrap, t)
-
-        # Lose the broker leading the most of the DLQ's and snapshot topic's partitions.
-        leaders = [p["leader"] for t in (dlq, snap_topic) for p in await partitions(bootstrap, t)]
-        victim = max(set(leaders), key=leaders.count)
-        killed = kafka_cluster.node_of(victim)
-        t_kill = time.monotonic()
-        await asyncio.to_thread(kafka_cluster.kill_node, killed)
         await wait_until(
             lambda: _led_elsewhere(bootstrap, [dlq, snap_topic], victim), 120, "new leaders for DLQ and snapshots"
         )
 
         letters = await read_log(bootstrap, dlq)
-        assert len(letters) >= bad  # a retried send may duplicate a dead letter, never lose one
-        assert {r.key for r in letters} >= {b"poison%d" % i for i in range(bad)}
+        assert len(letters) >= 2 * half  # a retried send may duplicate a dead letter, never lose one
+        assert {r.key for r in letters} >= {b"poison%d" % i for i in range(2 * half)}
 
         # A cold member restores from the snapshot topic while the broker is still down.
         cold_snaps = snapshot_store(bootstrap, topic)
@@ -294,15 +307,17 @@ async def test_dead_letters_and_snapshots_survive_a_broker_loss(kafka_cluster, t
             brokers=3,
             replication_factor=3,
             min_insync_replicas=2,
-            records_in_flight_at_fault=0,
-            dead_letters_written=bad,
+            records_in_flight_at_fault=in_flight,
+            dead_letters_written=2 * half,
             dead_letters_read_after_loss=len(letters),
+            acked_records=exp.acked_records,
             acked_records_lost=exp.acked_lost,
             snapshots_loaded_after_loss=cold_snaps.loaded,
             converge_s_after_fault=time.monotonic() - t_kill,
             converge_s_cold_member=converge,
         )
     finally:
+        await prod.stop()
         if fleet is not None:
             await asyncio.to_thread(fleet.close, 5)
         for m in (member, cold):
