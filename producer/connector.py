@@ -42,6 +42,8 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorRole,
+    SupportsHMA,
+    supports_hma,
 )
 
 log = logging.getLogger(__name__)
@@ -123,9 +125,11 @@ class KVWireConnector(KVConnectorBase_V1):
         inner_cls = resolve_inner_class(opts)
         KVWireConnector._inner_cls_hint = inner_cls
         self._inner = inner_cls(_inner_vllm_config(vllm_config, opts), role, kv_cache_config)
+        self._match_capabilities(inner_cls)
         self._forward = bool(opts.get("forward_events_to_vllm", True))
         self.published_events = 0
         self.publish_errors = 0
+        self.gaps_reported = 0
         self.last_error = ""
         self._publisher = None
         self._stream = sink  # tests hand in a sink; production builds one lazily
@@ -139,6 +143,24 @@ class KVWireConnector(KVConnectorBase_V1):
             self._repair = LMCacheRepair(engine_chunk_hasher(eng) if eng is not None else None)
         if role == KVConnectorRole.WORKER and self._stream is None:
             self._start_publisher(vllm_config)
+
+    def _match_capabilities(self, inner_cls: type) -> None:
+        """Declare exactly the optional capabilities (vLLM's mixins) the inner connector has."""
+        if supports_hma(inner_cls) and not isinstance(self, SupportsHMA):
+            # vLLM's config-time probe reads the class named in --kv-transfer-config before any
+            # inner exists, so it saw no HMA and turned the hybrid KV cache manager off; the
+            # scheduler's runtime probe (isinstance) sees the capability from here on.
+            self.__class__ = KVWireHMAConnector
+            log.warning(
+                "kvwire: %s supports the hybrid KV cache manager (HMA), which vLLM turned off because it "
+                "was configured with KVWireConnector; name KVWireHMAConnector to keep it on",
+                inner_cls.__name__,
+            )
+        elif isinstance(self, SupportsHMA) and not supports_hma(inner_cls):
+            raise ValueError(
+                f"{inner_cls.__name__} does not support the hybrid KV cache manager (HMA): configure "
+                "KVWireConnector instead of KVWireHMAConnector"
+            )
 
     # ------------------------------------------------------------ kvwire side
 
@@ -175,14 +197,19 @@ class KVWireConnector(KVConnectorBase_V1):
         self.last_error = f"{type(e).__name__}: {e}"
 
     def _publish(self, raw_events: Iterable[Any]) -> None:
+        # Every event that does not reach the stream is a gap on it: the index must stop
+        # crediting this rank rather than miss a removal silently.
         if self._stream is None:
             return
         try:
             raw = list(raw_events)
             if not raw:
                 return
+            lost = 0
             if self._repair is not None:
+                before = self._repair.stats.bad_events
                 events = self._repair.convert(raw)
+                lost = self._repair.stats.bad_events - before
             else:
                 from .vllm_wire import WireError, event_from_object
 
@@ -192,14 +219,36 @@ class KVWireConnector(KVConnectorBase_V1):
                         events.append(event_from_object(r))
                     except WireError as e:
                         self._fail(e)
+                        lost += 1
+            if lost:
+                self._lost(f"{lost} event(s) could not be converted")
             if events and self._stream.publish(events, engine_ts=time.time()):
                 self.published_events += len(events)
+        except Exception as e:
+            self._fail(e)
+            self._lost(f"batch dropped: {type(e).__name__}: {e}")
+
+    def _lost(self, why: str) -> None:
+        self.gaps_reported += 1
+        log.warning("kvwire: %s; reported as a gap", why)
+        try:
+            self._stream.report_gap(1)
+        except Exception as e:
+            self._fail(e)
+        try:
+            self._stream.publish((), engine_ts=time.time())
         except Exception as e:
             self._fail(e)
 
     @property
     def inner(self) -> KVConnectorBase_V1:
         return self._inner
+
+    @property
+    def _connectors(self) -> list[KVConnectorBase_V1]:
+        # vLLM finds connectors inside wrappers through `_connectors` (MultiConnector's children,
+        # e.g. the worker's search for a SimpleCPUOffloadConnector): the inner is our only child.
+        return [self._inner]
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes the wrapper lacks: connector-specific extras.
@@ -407,4 +456,16 @@ class KVWireConnector(KVConnectorBase_V1):
         return self._inner.reset_cache()
 
 
-__all__ = ["KVWireConnector", "kvwire_options", "resolve_inner_class", "worker_identity"]
+class KVWireHMAConnector(KVWireConnector, SupportsHMA):
+    """KVWireConnector around an inner connector that supports vLLM's hybrid KV cache manager.
+
+    vLLM decides HMA at config time from the class named in ``--kv-transfer-config``
+    (``KVConnectorFactory.supports_hma_config``), before any connector exists, so a wrapper
+    cannot inherit it from its inner there: name this class to keep HMA on. Constructing it
+    around an inner without HMA is an error, like vLLM's own check."""
+
+    def request_finished_all_groups(self, request, block_ids):
+        return self._inner.request_finished_all_groups(request, block_ids)
+
+
+__all__ = ["KVWireConnector", "KVWireHMAConnector", "kvwire_options", "resolve_inner_class", "worker_identity"]

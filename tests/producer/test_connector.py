@@ -112,12 +112,25 @@ class EmittingInner(_Base):
         return True
 
 
-def vllm_config(opts, tp_size=1, dp_rank=0, rank=0):
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA as _HMA
+except Exception:
+    _HMA = object
+
+
+class HMAInner(EmittingInner, _HMA):
+    """An inner connector with hybrid KV cache manager support (vLLM's SupportsHMA mixin)."""
+
+    def request_finished_all_groups(self, request, block_ids):
+        return (True, {"groups": len(block_ids)})
+
+
+def vllm_config(opts, tp_size=1, dp_rank=0, rank=0, connector="KVWireConnector"):
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     from vllm.config import DeviceConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
     k = KVTransferConfig(
-        kv_connector="KVWireConnector",
+        kv_connector=connector,
         kv_connector_module_path="kvwire.producer.connector",
         kv_role="kv_both",
         kv_connector_extra_config={"kvwire": opts},
@@ -250,7 +263,8 @@ def test_publishing_never_raises_into_the_engine(vk):
     assert c.get_kv_connector_kv_cache_events() is not None
     c.inner.store(object())  # not an event at all
     c.get_kv_connector_kv_cache_events()
-    assert c.publish_errors == 2
+    # Both losses were reported as gaps (this sink breaks on that too: counted, never raised).
+    assert c.gaps_reported == 2 and c.publish_errors >= 2
 
 
 def test_worker_identity_from_parallel_config(vk):
@@ -288,3 +302,96 @@ def test_connector_to_kafka(vk, h, kafka_bootstrap, topic_name):
 
     assert [e for b in batches for e in b.events] == [event_from_object(e) for e in sent]
     assert c.publish_errors == 0 and c.published_events == 4
+
+
+# ------------------------------------------------------------------ capabilities vLLM probes
+
+
+def test_hma_is_visible_exactly_when_the_inner_has_it(vk):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+
+    hma = opts(inner_connector="HMAInner")
+    # vLLM's config-time probe: the class named in --kv-transfer-config decides.
+    assert KVConnectorFactory.supports_hma_config(vllm_config(hma, connector="KVWireHMAConnector").kv_transfer_config)
+    assert not KVConnectorFactory.supports_hma_config(vllm_config(opts()).kv_transfer_config)
+    # The runtime probe (the scheduler's isinstance) sees the inner's capability whatever the name.
+    for name in ("KVWireConnector", "KVWireHMAConnector"):
+        from kvwire.producer import connector as mod
+
+        c = getattr(mod, name)(vllm_config(hma, connector=name), vk.Role.SCHEDULER, None)
+        assert supports_hma(c)
+        assert c.request_finished_all_groups(None, ([1], [2])) == (True, {"groups": 2})
+        assert "request_finished_all_groups" in c.inner.calls or isinstance(c.inner, HMAInner)
+    plain = vk.KVWireConnector(vllm_config(opts()), vk.Role.SCHEDULER, None)
+    assert not supports_hma(plain) and not hasattr(plain, "request_finished_all_groups")
+    from kvwire.producer.connector import KVWireHMAConnector
+
+    with pytest.raises(ValueError, match="does not support"):
+        KVWireHMAConnector(vllm_config(opts(), connector="KVWireHMAConnector"), vk.Role.SCHEDULER, None)
+
+
+def test_vllm_finds_connectors_inside_the_wrapper(vk):
+    from vllm.distributed.kv_transfer.kv_connector.v1.simple_cpu_offload_connector import (
+        _find_simple_cpu_offload_connector,
+    )
+
+    c = vk.KVWireConnector(vllm_config(opts()), vk.Role.SCHEDULER, None)
+    assert c._connectors == [c.inner]
+    assert _find_simple_cpu_offload_connector(c) is None  # walks into the inner, finds no offloader
+
+
+# ------------------------------------------------------------------ losses are gaps (issue 14)
+
+
+class FailingOnce:
+    """The real RankStream, except that one publish() of events raises (a broken sink)."""
+
+    def __init__(self, stream):
+        self.stream, self.armed = stream, False
+
+    def publish(self, events, engine_ts=None):
+        if self.armed and events:
+            self.armed = False
+            raise RuntimeError("publish broke")
+        return self.stream.publish(events, engine_ts)
+
+    def report_gap(self, n):
+        self.stream.report_gap(n)
+
+    def new_epoch(self):
+        self.stream.new_epoch()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("failure", ["unconvertible", "publish"])
+def test_lost_events_distrust_the_worker(vk, h, kafka_bootstrap, new_topic, index_reader, failure):
+    """An event the connector cannot convert, or a batch whose publishing fails, is a gap:
+    the index stops crediting the worker instead of missing what was lost."""
+    topic = new_topic()
+    c = vk.KVWireConnector(
+        vllm_config(opts(instance_id=f"vllm-{failure}", bootstrap_servers=kafka_bootstrap, topic=topic)),
+        vk.Role.WORKER,
+        None,
+    )
+    assert c._stream is not None, c.last_error
+    stream, worker = c._stream, (f"vllm-{failure}", 0)
+    reader = index_reader(topic)
+    try:
+        c.inner.store(stored_event(vk.ev, 0), stored_event(vk.ev, 1))
+        c.get_kv_connector_kv_cache_events()
+        reader.catch_up(stream)
+        tokens = list(range(32))
+        assert reader.trusted(worker) and reader.credit(worker, tokens) == 32
+        if failure == "unconvertible":
+            c.inner.store(stored_event(vk.ev, 2), object())
+        else:
+            c._stream = FailingOnce(stream)
+            c._stream.armed = True
+            c.inner.store(stored_event(vk.ev, 2))
+        c.get_kv_connector_kv_cache_events()
+        reader.catch_up(stream)
+        assert c.gaps_reported == 1
+        assert not reader.trusted(worker) and reader.credit(worker, tokens) == 0
+    finally:
+        c.shutdown()
