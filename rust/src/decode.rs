@@ -48,6 +48,11 @@ impl std::error::Error for Decline {}
 
 type R<T> = Result<T, Decline>;
 
+/// Most items reserved from an array's claimed count before they are read: a count is bounded
+/// only by the bytes left (an item can be one byte), and reserving 64 Mi events up front would
+/// ask for gigabytes; past this, vectors grow as items actually parse.
+const RESERVE_CAP: usize = 64;
+
 /// The writer version a record's header names, if this decoder knows it.
 pub fn writer_version(value: &[u8]) -> Option<u32> {
     if value.len() < HEADER_SIZE || value[..2] != MAGIC {
@@ -263,7 +268,7 @@ impl<'a> Cursor<'a> {
             if n == 0 {
                 break;
             }
-            events.reserve(n);
+            events.reserve(n.min(RESERVE_CAP));
             for _ in 0..n {
                 events.push(self.event()?);
             }
@@ -357,7 +362,7 @@ impl<'a> Cursor<'a> {
             if n == 0 {
                 return Ok(blocks);
             }
-            blocks.reserve(n);
+            blocks.reserve(n.min(RESERVE_CAP));
             for _ in 0..n {
                 blocks.push(if self.some()? { Some(self.block_keys()?) } else { None });
             }
@@ -371,7 +376,7 @@ impl<'a> Cursor<'a> {
             if n == 0 {
                 return Ok(keys);
             }
-            keys.reserve(n);
+            keys.reserve(n.min(RESERVE_CAP));
             for _ in 0..n {
                 let i = self.branch(7)?;
                 keys.push(if i == 6 { ExtraKey::Tuple(self.tuple_key()?) } else { ExtraKey::Scalar(self.scalar(i)?) });
@@ -386,7 +391,7 @@ impl<'a> Cursor<'a> {
             if n == 0 {
                 return Ok(items);
             }
-            items.reserve(n);
+            items.reserve(n.min(RESERVE_CAP));
             for _ in 0..n {
                 let i = self.branch(6)?;
                 items.push(self.scalar(i)?);
