@@ -134,13 +134,29 @@ class KVWireConnector(KVConnectorBase_V1):
         self._publisher = None
         self._stream = sink  # tests hand in a sink; production builds one lazily
         self._repair = None
+        self._membership = None
+        # The record's `source`: "/approximate" when removals cannot be seen (see README).
+        self.source = "vllm-connector"
         if opts.get("repair_lmcache_events", "LMCache" in inner_cls.__name__):
-            from .lmcache_source import LMCacheRepair, engine_chunk_hasher
+            from .lmcache_source import LMCacheRepair, Membership, RemovalObserver, engine_chunk_hasher
 
             # LMCacheConnectorV1 keeps the LMCacheEngine's events' defects; the
             # engine's hasher verifies parent repairs when it is reachable.
             eng = getattr(getattr(self._inner, "_lmcache_engine", None), "lmcache_engine", None)
             self._repair = LMCacheRepair(engine_chunk_hasher(eng) if eng is not None else None)
+            # LMCache emits stores only: its own inserts and evictions are observed on the engine
+            # (the worker's), as LMCacheSource does, or the worker is published as approximate.
+            exact = False
+            if eng is not None and role == KVConnectorRole.WORKER and opts.get("observe_removals", True):
+                try:
+                    obs = RemovalObserver(eng)
+                    if obs.hooked:
+                        self._membership = Membership(obs)
+                        exact = obs.exact
+                except Exception as e:
+                    self._fail(e)
+            if not exact:
+                self.source = "vllm-connector/approximate"
         if role == KVConnectorRole.WORKER and self._stream is None:
             self._start_publisher(vllm_config)
 
@@ -185,7 +201,7 @@ class KVWireConnector(KVConnectorBase_V1):
                 },
             )
             self._publisher = KafkaPublisher(cfg)
-            self._stream = self._publisher.stream(worker, source="vllm-connector")
+            self._stream = self._publisher.stream(worker, source=self.source)
             log.info("kvwire: publishing %s events as %s to %s", type(self._inner).__name__, worker, cfg.topic)
         except Exception as e:
             # No Kafka must never mean no inference.
@@ -203,7 +219,7 @@ class KVWireConnector(KVConnectorBase_V1):
             return
         try:
             raw = list(raw_events)
-            if not raw:
+            if not raw and self._membership is None:
                 return
             lost = 0
             if self._repair is not None:
@@ -220,8 +236,14 @@ class KVWireConnector(KVConnectorBase_V1):
                     except WireError as e:
                         self._fail(e)
                         lost += 1
+            why = f"{lost} event(s) could not be converted"
+            if self._membership is not None:
+                events, unmatched = self._membership.apply(events)
+                if unmatched:
+                    lost += unmatched
+                    why += f", {unmatched} inserted chunk(s) without a store event"
             if lost:
-                self._lost(f"{lost} event(s) could not be converted")
+                self._lost(why)
             if events and self._stream.publish(events, engine_ts=time.time()):
                 self.published_events += len(events)
         except Exception as e:
@@ -260,9 +282,10 @@ class KVWireConnector(KVConnectorBase_V1):
 
     def get_kv_connector_kv_cache_events(self):
         ev = self._inner.get_kv_connector_kv_cache_events()
-        if ev is not None:
+        if ev is not None or self._membership is not None:
             try:
-                self._publish(ev.get_all_events())
+                # With no new events an eviction or removal may still be waiting to go out.
+                self._publish(ev.get_all_events() if ev is not None else ())
             except Exception as e:
                 self._fail(e)
         return ev if self._forward else None

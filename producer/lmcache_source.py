@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -235,6 +235,56 @@ MAX_PUT_WAIT_POLLS = 200
 MAX_PENDING_STORES = 65536
 
 
+class Membership:
+    """LMCache store events + the observer's transitions -> the events that change what the index
+    holds, in the order LMCache changed it (see :class:`RemovalObserver`)."""
+
+    def __init__(self, observer: RemovalObserver) -> None:
+        self.observer = observer
+        self.removals = 0
+        self.duplicates = 0  # store events for chunks LMCache already held (not inserted)
+        self._stores: OrderedDict[Any, BlockStored] = OrderedDict()
+        self._held: set[Any] = set()
+        self._waited = 0
+
+    def apply(self, converted: Sequence[KVEvent]) -> tuple[list[KVEvent], int]:
+        """(events to publish, chunks lost: inserted but their store event never came)."""
+        for ev in converted:
+            if isinstance(ev, BlockStored):
+                for h in ev.block_hashes:
+                    self._stores[h] = ev
+                    self._stores.move_to_end(h)
+                while len(self._stores) > MAX_PENDING_STORES:
+                    self._stores.popitem(last=False)
+        out: list[KVEvent] = []
+        lost = 0
+        q = self.observer.transitions
+        while q:
+            inserted, h = q[0]
+            if inserted:
+                ev = self._stores.pop(h, None)
+                if ev is None:
+                    self._waited += 1
+                    if self._waited <= MAX_PUT_WAIT_POLLS:
+                        break  # its store event is still in LMCache's list: next call
+                    lost += 1
+                    q.popleft()
+                    self._waited = 0
+                    continue
+                self._waited = 0
+                if h not in self._held:
+                    self._held.add(h)
+                    out.append(ev if len(ev.block_hashes) == 1 else _one_chunk(ev, h))
+            elif h in self._held:
+                self._held.discard(h)
+                self.removals += 1
+                out.append(BlockRemoved((h,), medium=CPU_MEDIUM))
+            q.popleft()
+        stored_in = sum(1 for ev in converted if isinstance(ev, BlockStored))
+        self.duplicates += max(0, stored_in - sum(1 for ev in out if isinstance(ev, BlockStored)))
+        return out, lost
+
+
 class LMCacheSource:
     """Polls one LMCacheEngine and publishes what it stored and what it removed.
 
@@ -266,23 +316,27 @@ class LMCacheSource:
         self.interval_s = interval_s
         self.repair = repair or LMCacheRepair(engine_chunk_hasher(engine))
         self.observer = RemovalObserver(engine) if observe_removals else None
+        self.membership = Membership(self.observer) if self.observer is not None and self.observer.hooked else None
         self.polls = 0
         self.published = 0
-        self.removals = 0
-        self.duplicates = 0  # store events for chunks LMCache already held (not inserted)
         self.errors = 0
         self.gaps = 0
         self._gaps_sent = 0
-        self._stores: OrderedDict[Any, BlockStored] = OrderedDict()
-        self._held: set[Any] = set()
-        self._waited = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def approximate(self) -> bool:
         """True when LMCache's removals cannot be seen: the index may overstate this worker."""
-        return self.observer is None or not self.observer.exact
+        return self.membership is None or not self.observer.exact
+
+    @property
+    def removals(self) -> int:
+        return self.membership.removals if self.membership is not None else 0
+
+    @property
+    def duplicates(self) -> int:
+        return self.membership.duplicates if self.membership is not None else 0
 
     def _gap(self, n: int, why: str) -> None:
         self.gaps += n
@@ -302,10 +356,12 @@ class LMCacheSource:
             converted = self.repair.convert(raw) if raw else []
             if self.repair.stats.bad_events > bad:
                 self._gap(1, f"{self.repair.stats.bad_events - bad} LMCache event(s) could not be converted")
-            if self.observer is None or not self.observer.hooked:
+            if self.membership is None:
                 events = converted
             else:
-                events = self._membership(converted)
+                events, lost = self.membership.apply(converted)
+                if lost:
+                    self._gap(lost, f"{lost} inserted chunk(s) whose store event never came")
         except Exception as e:
             self.errors += 1
             events = []
@@ -327,43 +383,6 @@ class LMCacheSource:
             except Exception:
                 pass
         return len(events)
-
-    def _membership(self, converted: list[KVEvent]) -> list[KVEvent]:
-        """Store events + observed transitions -> the events that change what the index holds."""
-        for ev in converted:
-            if isinstance(ev, BlockStored):
-                for h in ev.block_hashes:
-                    self._stores[h] = ev
-                    self._stores.move_to_end(h)
-                while len(self._stores) > MAX_PENDING_STORES:
-                    self._stores.popitem(last=False)
-        out: list[KVEvent] = []
-        q = self.observer.transitions
-        while q:
-            inserted, h = q[0]
-            if inserted:
-                ev = self._stores.pop(h, None)
-                if ev is None:
-                    self._waited += 1
-                    if self._waited <= MAX_PUT_WAIT_POLLS:
-                        break  # its store event is still in LMCache's list: next poll
-                    self._gap(1, f"chunk {h} was inserted but its store event never came")
-                    q.popleft()
-                    self._waited = 0
-                    continue
-                self._waited = 0
-                if h not in self._held:
-                    self._held.add(h)
-                    out.append(ev if len(ev.block_hashes) == 1 else _one_chunk(ev, h))
-            elif h in self._held:
-                self._held.discard(h)
-                self.removals += 1
-                out.append(BlockRemoved((h,), medium=CPU_MEDIUM))
-            q.popleft()
-        self.duplicates += sum(1 for ev in converted if isinstance(ev, BlockStored)) - sum(
-            1 for ev in out if isinstance(ev, BlockStored)
-        )
-        return out
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -400,6 +419,7 @@ __all__ = [
     "UNKNOWN_PARENT",
     "LMCacheRepair",
     "LMCacheSource",
+    "Membership",
     "RemovalObserver",
     "RepairStats",
     "engine_chunk_hasher",
