@@ -1,6 +1,8 @@
 """HTTP API of an index member (aiohttp).
 
-``POST /v1/score``   {"token_ids": [...], "lora_name": null} -> scores, best first
+``POST /v1/score``   {"token_ids": [...], "lora_name": null} -> scores, best first; or the token
+                     ids as a little-endian uint32 body (``application/octet-stream``) with
+                     ``lora_name``, ``block_size``, ``top_k``, ``local`` as query parameters
 ``GET  /v1/workers`` per worker: blocks, epochs, last seqs, trust, last seen
 ``GET  /v1/digest``  order-independent digest of the index (replay checks)
 ``GET  /healthz``    200 once caught up with the end offsets seen at start and healthy, else 503
@@ -12,18 +14,33 @@ score is scattered to every peer with ``"local": true`` and the answers are
 merged; a peer that fails marks the answer ``partial`` instead of failing it.
 Input is bounded: a body over ``max_body_bytes`` gets 413 from aiohttp, more
 than ``max_tokens`` tokens gets 413, anything malformed gets 400 — never 500.
+
+Why a binary body: an 8k-token prompt is ~55 KB of JSON that costs ~200 µs to parse, more
+than the score itself; as packed uint32 it is 32 KB read in place (no copy, no parse). Both
+forms reach the same ``Applier.score_json`` (the core hashes, walks, orders and encodes),
+so they answer byte for byte the same. There is no ``cache_salt``: the JSON form has none
+(a salted prompt's blocks are keyed by the engine, which the index does not see).
+
+Scale-out within a host: ``serve_workers`` runs the same app on N threads, each with its
+own event loop on an ``SO_REUSEPORT`` socket of the same port; the kernel spreads
+connections over them and they all read the one index (see ``kvwire.consumer.router``
+for how a reader stays consistent while ingest applies).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import sys
+import threading
 import time
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import aiohttp
 import msgspec
+import numpy as np
 from aiohttp import web
 
 from .apply import Applier
@@ -42,23 +59,70 @@ class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
     local: bool = False
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESULTS)] = 64
+    # The binary form's name for ``limit``; given both, ``top_k`` wins.
+    top_k: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESULTS)] | None = None
+
+
+class BadRequest(ValueError):
+    """A request outside the contract: answered with ``status`` and the message."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+BINARY = "application/octet-stream"
+_QUERY_PARAMS = frozenset({"lora_name", "block_size", "top_k", "limit", "local"})
+_BOOL = {"true": True, "1": True, "false": False, "0": False}
+_LE = sys.byteorder == "little"
+
+
+def _int_param(q: Any, name: str, lo: int, hi: int) -> int | None:
+    v = q.get(name)
+    if v is None:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise BadRequest(400, f"invalid request: {name} must be an integer, got {v[:40]!r}") from None
+    if not lo <= n <= hi:
+        raise BadRequest(400, f"invalid request: {name} must be in [{lo}, {hi}], got {n}")
+    return n
+
+
+def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
+    """The octet-stream form: the body is the token ids as little-endian uint32, read in
+    place; the other fields come from the query string (unknown parameters are refused,
+    as unknown JSON fields are)."""
+    unknown = sorted(set(query.keys()) - _QUERY_PARAMS)
+    if unknown:
+        raise BadRequest(400, f"invalid request: unknown query parameter(s) {', '.join(unknown)[:200]}")
+    if len(body) % 4:
+        raise BadRequest(400, f"invalid request: binary body of {len(body)} bytes is not whole uint32 token ids")
+    if len(body) // 4 > max_tokens:
+        raise BadRequest(413, f"{len(body) // 4} tokens; at most {max_tokens}")
+    tokens = np.frombuffer(body, np.uint32) if _LE else np.frombuffer(body, "<u4").astype(np.uint32)
+    local = query.get("local")
+    if local is not None and local.lower() not in _BOOL:
+        raise BadRequest(400, f"invalid request: local must be true or false, got {local[:40]!r}")
+    top_k = _int_param(query, "top_k", 1, MAX_RESULTS)
+    limit = _int_param(query, "limit", 1, MAX_RESULTS)
+    return ScoreRequest(
+        token_ids=tokens,  # type: ignore[arg-type]  # an ndarray: the core reads it in place
+        lora_name=query.get("lora_name"),
+        block_size=_int_param(query, "block_size", 1, 1 << 20),
+        local=bool(local is not None and _BOOL[local.lower()]),
+        limit=limit if limit is not None else 64,
+        top_k=top_k,
+    )
+
+
+def _top_k(req: ScoreRequest) -> int:
+    return req.top_k if req.top_k is not None else req.limit
 
 
 _decoder = msgspec.json.Decoder(ScoreRequest)
 _json = msgspec.json.Encoder()
-
-
-def _scores_json(scores) -> list[dict]:
-    return [
-        {
-            "instance_id": s.instance_id,
-            "dp_rank": s.dp_rank,
-            "matched_tokens": s.matched_tokens,
-            "by_medium": dict(s.by_medium),
-            "score": s.score,
-        }
-        for s in scores
-    ]
 
 
 MAX_ERROR_CHARS = 512
@@ -107,13 +171,18 @@ def make_app(
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"body over {max_body_bytes} bytes")
         try:
-            req = _decoder.decode(body)
+            if request.content_type == BINARY:
+                req = binary_request(body, request.query, max_tokens)
+            else:
+                req = _decoder.decode(body)
+                if len(req.token_ids) > max_tokens:
+                    return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+        except BadRequest as e:
+            return _error(e.status, str(e))
         except msgspec.ValidationError as e:
             return _error(400, f"invalid request: {e}")
         except msgspec.DecodeError as e:
             return _error(400, f"invalid JSON: {e}")
-        if len(req.token_ids) > max_tokens:
-            return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
         t0 = time.perf_counter()
         try:
             return await _score(req)
@@ -122,15 +191,18 @@ def make_app(
             applier.metrics.score_latency.labels(scope).observe(time.perf_counter() - t0)
 
     async def _score(req: ScoreRequest) -> web.Response:
-        local = _scores_json(applier.score(req.token_ids, lora_name=req.lora_name, block_size=req.block_size))[
-            : req.limit
-        ]
+        k = _top_k(req)
+        local = applier.score_json(req.token_ids, lora_name=req.lora_name, block_size=req.block_size, top_k=k)
         if req.local or not peers:
-            return web.Response(body=_json.encode({"scores": local}), content_type="application/json")
+            return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
         answers, failed = await _scatter(req)
         return web.Response(
             body=_json.encode(
-                {"scores": merge_scores([local, *answers], req.limit), "partial": bool(failed), "failed_peers": failed}
+                {
+                    "scores": merge_scores([msgspec.json.decode(local), *answers], k),
+                    "partial": bool(failed),
+                    "failed_peers": failed,
+                }
             ),
             content_type="application/json",
         )
@@ -138,19 +210,17 @@ def make_app(
     async def _scatter(req: ScoreRequest):
         if "s" not in session:
             session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=peer_timeout_s))
-        payload = _json.encode(
-            {
-                "token_ids": req.token_ids,
-                "lora_name": req.lora_name,
-                "block_size": req.block_size,
-                "local": True,
-                "limit": req.limit,
-            }
-        )
+        # Peers get the binary form: no JSON to build here or to parse there.
+        tokens = np.ascontiguousarray(req.token_ids, "<u4").tobytes()
+        params = {"local": "true", "top_k": str(_top_k(req))}
+        if req.lora_name is not None:
+            params["lora_name"] = req.lora_name
+        if req.block_size is not None:
+            params["block_size"] = str(req.block_size)
 
         async def one(peer: str):
             async with session["s"].post(
-                f"{peer}/v1/score", data=payload, headers={"content-type": "application/json"}
+                f"{peer}/v1/score", data=tokens, params=params, headers={"content-type": BINARY}
             ) as r:
                 if r.status != 200:
                     raise RuntimeError(f"HTTP {r.status}")
@@ -210,8 +280,74 @@ def make_app(
     return app
 
 
-async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    """The port a runner's site listens on (what port 0 became)."""
+    for s in runner.sites:
+        server = getattr(s, "_server", None)
+        for sock in getattr(server, "sockets", None) or ():
+            if sock.family in (socket.AF_INET, socket.AF_INET6):
+                return int(sock.getsockname()[1])
+    raise RuntimeError("no listening TCP site")
+
+
+class HttpWorkers:
+    """The HTTP API on ``n`` event loops over one index: the caller's loop serves the
+    first, each of ``n - 1`` threads runs its own loop and its own app (``make()``) on an
+    ``SO_REUSEPORT`` socket of the same port, and the kernel spreads connections over
+    them. Everything that a request does in Python (HTTP parsing, the body, the response)
+    is under the GIL; the score itself is not, so the extra loops buy concurrency for the
+    score walk and a second core for the rest only when one is free (bench/http_score.py
+    measures it). Threads, not processes: one index in memory and one ingest, so the
+    answers are one member's; processes would each need their own group and ingest."""
+
+    def __init__(self, make: Callable[[], web.Application], host: str, port: int, n: int) -> None:
+        if n < 1:
+            raise ValueError("at least one HTTP worker")
+        self.make, self.host, self.port, self.n = make, host, port, n
+        self._runner: web.AppRunner | None = None
+        self._threads: list[tuple[threading.Thread, asyncio.AbstractEventLoop]] = []
+
+    async def start(self) -> int:
+        """Listen; returns the port (resolved when ``port`` was 0)."""
+        self._runner = await serve(self.make(), self.host, self.port, reuse_port=self.n > 1)
+        self.port = bound_port(self._runner)
+        for i in range(1, self.n):
+            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            loop = asyncio.new_event_loop()
+            t = threading.Thread(target=self._thread, args=(loop, started), name=f"kvwire-http-{i}", daemon=True)
+            self._threads.append((t, loop))
+            t.start()
+            await started
+        return self.port
+
+    def _thread(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[None]) -> None:
+        asyncio.set_event_loop(loop)
+        caller = started.get_loop()
+        try:
+            runner = loop.run_until_complete(serve(self.make(), self.host, self.port, reuse_port=True))
+        except BaseException as e:  # handed to the caller, which raises it
+            caller.call_soon_threadsafe(started.set_exception, e)
+            return
+        caller.call_soon_threadsafe(started.set_result, None)
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    async def cleanup(self) -> None:
+        for _t, loop in self._threads:
+            loop.call_soon_threadsafe(loop.stop)
+        for t, _ in self._threads:
+            await asyncio.to_thread(t.join, 10)
+        self._threads.clear()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
