@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
 
 import msgspec
 
+from kvwire import _core
 from kvwire.schemas import codec
 from kvwire.schemas.codec import DecodeError
-from kvwire.schemas.events import BlockStored, EventBatch, WorkerId
+from kvwire.schemas.events import AllBlocksCleared, BlockStored, EventBatch, WorkerId
 
-from .index import MalformedEvent, PrefixIndex
+from .index import IndexOverflow, MalformedEvent, PrefixIndex, WorkerScore, _event_tuple
 from .metrics import IngestMetrics
-from .rank_state import RankTable, Verdict
+from .rank_state import VERDICTS, RankState, RankTable, Verdict
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -46,6 +48,17 @@ def check_batch(batch: EventBatch) -> None:
             )
 
 
+# How long one core call may hold the event loop: heartbeats and HTTP readers run between slices.
+APPLY_BUDGET_US = 2000
+
+
+class _Record(Protocol):
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp: int
+
+
 class Applier:
     """Owns the index and the rank table for the partitions it is fed.
 
@@ -68,8 +81,65 @@ class Applier:
 
     # ------------------------------------------------------------ feeding
 
-    def apply_record(self, topic: str, partition: int, offset: int, key, value, timestamp_ms: int) -> None:
-        """Apply one Kafka record. Never raises for bad input: it dead-letters it."""
+    def apply_records(
+        self, topic: str, partition: int, recs: Sequence[_Record], start: int = 0, budget_us: int = APPLY_BUDGET_US
+    ) -> int:
+        """Apply ``recs[start:]`` (one partition's, in log order) until done or
+        ``budget_us`` is spent; returns the index of the first record not yet
+        applied. The core decodes, fences and applies them in one call per
+        slice; a record its fast decoder declines goes through ``apply_record``
+        (fastavro) in its place in the order. Never raises for bad input."""
+        t0 = time.perf_counter()
+        i, n = start, len(recs)
+        rl = recs if isinstance(recs, list) else list(recs)
+        while i < n:
+            left = budget_us - int((time.perf_counter() - t0) * 1e6)
+            if left <= 0:
+                break
+            nxt, declined, tally, dead, seen = _core.apply_poll(
+                self.index.core, self.ranks.core, rl, i, left, time.time_ns() // 1000
+            )
+            self._account(tally)
+            if seen:
+                self.workers_by_partition[partition].update(seen)
+            for j, why in dead:
+                r = rl[j]
+                self._dead(topic, partition, r.offset, r.key, r.value, why, r.timestamp)
+            if nxt > i:
+                self.positions[partition] = rl[nxt - 1].offset + 1
+            if declined:
+                r = rl[nxt]
+                self.apply_record(topic, partition, r.offset, r.key, r.value, r.timestamp)
+                nxt += 1
+            i = nxt
+        return i
+
+    def _account(self, tally: tuple[int, int, int, int, int, int, int, int | None]) -> None:
+        records, dups, stale, gaps, resets, blocks, events, max_lag_us = tally
+        m = self.metrics
+        if records:
+            self.records += records
+            m.records.inc(records)
+        if dups:
+            m.skipped.labels(Verdict.DUPLICATE.value).inc(dups)
+        if stale:
+            m.skipped.labels(Verdict.STALE_EPOCH.value).inc(stale)
+        if gaps:
+            m.gaps.inc(gaps)
+        if resets:
+            m.resets.inc(resets)
+        if blocks:
+            self.blocks += blocks
+            m.blocks.inc(blocks)
+        self.events += events
+        if max_lag_us is not None:
+            # Once per slice: the oldest record's lag, the one an operator cares about.
+            m.observe_lag_us(max_lag_us)
+
+    def apply_record(
+        self, topic: str, partition: int, offset: int, key: bytes | None, value: Any, timestamp_ms: int
+    ) -> None:
+        """Apply one Kafka record through the reference decoder. Never raises for bad input: it dead-letters it."""
         self.positions[partition] = offset + 1
         try:
             batch = codec.decode(value)
@@ -82,33 +152,59 @@ class Applier:
             self._dead(topic, partition, offset, key, value, f"apply failed: {type(e).__name__}: {e}", timestamp_ms)
 
     def apply_batch(self, batch: EventBatch, partition: int = 0) -> Verdict:
-        # Whole record or nothing: a bad event found halfway would leave the
-        # events before it applied and the sequence advanced, yet dead-lettered.
+        """Fence and apply one decoded record, whole or not at all. Raises
+        MalformedEvent (nothing applied, seq not consumed) or IndexOverflow
+        (nothing applied, seq consumed, the rank untrusted)."""
         check_batch(batch)
+        w = batch.worker
+        if not isinstance(self.index, PrefixIndex):
+            return self._apply_model(batch, partition)
+        evs = [t for t in map(_event_tuple, batch.events) if t is not None]
+        verdict, tally, dead = _core.apply_decoded(
+            self.index.core,
+            self.ranks.core,
+            (w.instance_id, w.dp_rank, w.tp_rank, w.tp_size),
+            (batch.epoch, batch.seq, batch.ts_us, batch.reset, batch.gap),
+            evs,
+            time.time_ns() // 1000,
+        )
+        self._account(tally)
+        v = VERDICTS[verdict] if verdict < len(VERDICTS) else Verdict.APPLY
+        if v is Verdict.APPLY or v is Verdict.RESET:
+            self.workers_by_partition[partition].add(w.worker)
+        if dead is not None:
+            if "IndexOverflow" in dead:
+                raise IndexOverflow("reference count ceiling reached; the record was not applied")
+            raise MalformedEvent(dead)
+        return v
+
+    def _apply_model(self, batch: EventBatch, partition: int) -> Verdict:
+        """The same contract over any index with ``PrefixIndex``'s write methods
+        (tests feed ``tests/oracle.py``'s brute-force model through here)."""
         rank = batch.worker
         verdict = self.ranks.admit(batch)
-        self.records += 1
-        m = self.metrics
-        m.records.inc()
+        self._account((1, int(verdict is Verdict.DUPLICATE), int(verdict is Verdict.STALE_EPOCH), 0, 0, 0, 0, None))
         if verdict is Verdict.DUPLICATE or verdict is Verdict.STALE_EPOCH:
-            m.skipped.labels(verdict.value).inc()
             return verdict
         self.workers_by_partition[partition].add(rank.worker)
-        if batch.gap:
-            m.gaps.inc(batch.gap)
         if verdict is Verdict.RESET:
             self.index.clear(rank)
-            m.resets.inc()
-        # One call per record: the index batches a record's events into one kernel call per table.
         blocks = self.index.apply_batch(rank, batch.events)
-        self.events += len(batch.events)
-        if blocks:
-            self.blocks += blocks
-            m.blocks.inc(blocks)
-        m.observe_lag_us(time.time_ns() // 1000 - batch.ts_us)
+        self._account((0, 0, 0, batch.gap, int(verdict is Verdict.RESET), blocks, len(batch.events), None))
+        if any(type(e) is AllBlocksCleared for e in batch.events):
+            self.ranks.core.state_known(rank.instance_id, rank.dp_rank, rank.tp_rank)
         return verdict
 
-    def _dead(self, topic, partition, offset, key, value, error, timestamp_ms) -> None:
+    def _dead(
+        self,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes | None,
+        error: str,
+        timestamp_ms: int,
+    ) -> None:
         self.dead_letters.append(DeadLetter(topic, partition, offset, key, value, error, timestamp_ms))
         self.metrics.dead_letters.inc()
 
@@ -129,9 +225,10 @@ class Applier:
     def expire(self, now_us: int, timeout_us: int) -> list[tuple[str, int, int]]:
         """Drop ranks silent past the heartbeat timeout (dead workers)."""
         gone = self.ranks.expired(now_us, timeout_us)
+        tps = self.ranks.tp_size if gone else {}
         for rank_key in gone:
             inst, dp, tp = rank_key
-            tp_size = self.ranks.tp_size.get((inst, dp), 1)
+            tp_size = tps.get((inst, dp), 1)
             self.index.drop_rank(WorkerId(inst, dp, tp, tp_size))
             self.ranks.forget(rank_key)
         if gone:
@@ -140,20 +237,31 @@ class Applier:
 
     # ------------------------------------------------------------ queries
 
-    def score(self, token_ids, lora_name=None, **kw):
+    def score(self, token_ids: Any, lora_name: str | None = None, **kw: Any) -> list[WorkerScore]:
         """Scores of trusted workers only: a worker with a gap scores nothing."""
         untrusted = self.ranks.untrusted_workers()
+        if isinstance(self.index, PrefixIndex):
+            return self.index.score(token_ids, lora_name=lora_name, exclude=untrusted, **kw)
         return [
             s
             for s in self.index.score(token_ids, lora_name=lora_name, **kw)
             if (s.instance_id, s.dp_rank) not in untrusted
         ]
 
-    def workers(self) -> list[dict]:
+    def score_json(
+        self, token_ids: Any, lora_name: str | None = None, block_size: int | None = None, top_k: int | None = None
+    ) -> bytes:
+        """``score`` as the JSON list /v1/score returns, hashed, walked, ordered and encoded in the core."""
+        qs = self.index._queries(token_ids, lora_name, block_size, None)
+        out: bytes = _core.score_trusted(self.index.core, self.ranks.core, qs, top_k, True)
+        return out
+
+    def workers(self) -> list[dict[str, Any]]:
         """Per worker: blocks, epochs, last seqs, trust, last seen (for /v1/workers)."""
         stats = self.index.workers()
         out = []
-        by_worker: dict[tuple[str, int], list] = defaultdict(list)
+        by_worker: dict[tuple[str, int], list[tuple[int, RankState]]] = defaultdict(list)
+        tps = self.ranks.tp_size
         for (inst, dp, tp), st in self.ranks.ranks.items():
             by_worker[(inst, dp)].append((tp, st))
         for worker, ranks in sorted(by_worker.items()):
@@ -163,7 +271,7 @@ class Applier:
                 {
                     "instance_id": worker[0],
                     "dp_rank": worker[1],
-                    "tp_size": self.ranks.tp_size.get(worker, 1),
+                    "tp_size": tps.get(worker, 1),
                     "blocks": sum(by_medium.values()),
                     "blocks_by_medium": by_medium,
                     "orphans": s.orphans if s is not None else 0,

@@ -1,4 +1,4 @@
-"""Per-rank stream state: epoch fencing, sequence dedup, gaps, expiry.
+"""Per-rank stream state: epoch fencing, sequence dedup, gaps, trust, expiry.
 
 Every rank publishes ``(epoch, seq)``-stamped records. Kafka gives us them in
 order per partition, but a log also holds duplicates (a producer retried
@@ -10,6 +10,17 @@ must do — it never touches the index itself.
 Epochs are random, so "newer" cannot be read off their values: an epoch is
 newer when it arrives after the current one; the epochs a rank has left are
 remembered (boundedly) so their late records are recognised and ignored.
+
+Trust: a rank is untrusted from the moment its view may be incomplete (joined
+mid-stream, a new epoch without its reset, a seq hole, a producer gap, a record
+that could not be applied) until a point where its full state is known again:
+a reset record, or an AllBlocksCleared from that rank (it then holds nothing;
+events after the clear in the same record apply normally, and a gap the same
+record carries happened before it). A worker is trusted when all its
+``tp_size`` ranks are.
+
+The state and the rules live in the Rust core (``rust/src/fence.rs``), where the
+ingest's one-call-per-poll pipeline fences each record; this is its Python face.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from collections import deque
 
 import msgspec
 
+from kvwire import _core
 from kvwire.schemas.events import EventBatch
 
 # Enough to outlast any realistic burst of restarts of one rank; an epoch
@@ -34,12 +46,15 @@ class Verdict(enum.Enum):
     STALE_EPOCH = "stale_epoch"
 
 
+VERDICTS = (Verdict.APPLY, Verdict.RESET, Verdict.DUPLICATE, Verdict.STALE_EPOCH)
+
+
 class RankState(msgspec.Struct):
     epoch: int
     last_seq: int
     trusted: bool
     last_seen_us: int
-    retired: deque
+    retired: deque[int]
     # Why the rank is untrusted, for operators (/v1/workers).
     untrusted_reason: str = ""
     records: int = 0
@@ -47,81 +62,65 @@ class RankState(msgspec.Struct):
 
 
 class RankTable:
-    """Fencing decisions for every rank seen in the partitions we own."""
+    """Fencing decisions for every rank seen in the partitions we own.
+
+    ``ranks`` and ``tp_size`` are read-only views built on each access; change
+    state through ``admit``, ``restore``, ``forget`` and ``forget_worker``."""
 
     def __init__(self) -> None:
-        self.ranks: dict[tuple[str, int, int], RankState] = {}
-        self.tp_size: dict[tuple[str, int], int] = {}
+        self.core = _core.Fence()
 
     def admit(self, batch: EventBatch) -> Verdict:
         w = batch.worker
-        key = w.rank
-        self.tp_size[w.worker] = w.tp_size
-        st = self.ranks.get(key)
-        if st is None:
-            # First sight of a rank. Without a reset we joined its stream in
-            # the middle (log truncated by retention, or a rank that predates
-            # the snapshot we loaded): what it held before is unknown.
-            st = RankState(batch.epoch, batch.seq, True, batch.ts_us, deque(maxlen=RETIRED_EPOCHS))
-            self.ranks[key] = st
-            if not batch.reset:
-                self._distrust(st, "joined mid-stream (no reset record seen)")
-            self._note(st, batch)
-            return Verdict.RESET
-        if batch.epoch != st.epoch:
-            if batch.epoch in st.retired:
-                return Verdict.STALE_EPOCH
-            st.retired.append(st.epoch)
-            st.epoch, st.last_seq, st.trusted, st.untrusted_reason = batch.epoch, batch.seq, True, ""
-            if not batch.reset:
-                self._distrust(st, "new epoch without its reset record")
-            self._note(st, batch)
-            return Verdict.RESET
-        if batch.seq <= st.last_seq:
-            return Verdict.DUPLICATE
-        if batch.reset:
-            # A producer only resets at seq 0; a reset mid-epoch is a fresh
-            # start of the same incarnation (e.g. the bridge saw the engine
-            # restart without a new process): honour it.
-            st.trusted, st.untrusted_reason = True, ""
-            st.last_seq = batch.seq
-            self._note(st, batch)
-            return Verdict.RESET
-        if batch.seq != st.last_seq + 1:
-            self._distrust(st, f"records {st.last_seq + 1}..{batch.seq - 1} missing from the log")
-        st.last_seq = batch.seq
-        self._note(st, batch)
-        return Verdict.APPLY
+        v = self.core.admit(
+            w.instance_id, w.dp_rank, w.tp_rank, w.tp_size, batch.epoch, batch.seq, batch.ts_us, batch.reset, batch.gap
+        )
+        return VERDICTS[v]
 
-    def _note(self, st: RankState, batch: EventBatch) -> None:
-        st.records += 1
-        st.last_seen_us = max(st.last_seen_us, batch.ts_us)
-        if batch.gap:
-            st.gaps += batch.gap
-            self._distrust(st, f"producer lost {batch.gap} batch(es) before seq {batch.seq}")
+    @property
+    def ranks(self) -> dict[tuple[str, int, int], RankState]:
+        return {
+            (i, d, t): RankState(e, s, tr, seen, deque(ret, maxlen=RETIRED_EPOCHS), why, recs, gaps)
+            for i, d, t, e, s, tr, why, seen, ret, recs, gaps in self.core.ranks()
+        }
 
-    @staticmethod
-    def _distrust(st: RankState, why: str) -> None:
-        st.trusted = False
-        st.untrusted_reason = why
+    @property
+    def tp_size(self) -> dict[tuple[str, int], int]:
+        return {(i, d): t for i, d, t in self.core.tp_sizes()}
+
+    def restore(self, rank: tuple[str, int, int], st: RankState, tp_size: int) -> None:
+        """Install a rank's state as a snapshot recorded it."""
+        i, d, t = rank
+        self.core.restore(
+            i,
+            d,
+            t,
+            tp_size,
+            st.epoch,
+            st.last_seq,
+            st.trusted,
+            st.untrusted_reason,
+            st.last_seen_us,
+            list(st.retired)[-RETIRED_EPOCHS:],
+            st.records,
+            st.gaps,
+        )
 
     def worker_trusted(self, worker: tuple[str, int]) -> bool:
-        """A worker is trusted when every one of its ranks we know is."""
-        ranks = [s for (i, d, _), s in self.ranks.items() if (i, d) == worker]
-        n = self.tp_size.get(worker, 1)
-        return len(ranks) >= n and all(s.trusted for s in ranks)
+        """A worker is trusted when every one of its ranks we know is, and we know all of them."""
+        return bool(self.core.worker_trusted(worker[0], worker[1]))
 
     def untrusted_workers(self) -> set[tuple[str, int]]:
-        workers = {(i, d) for (i, d, _) in self.ranks}
-        return {w for w in workers if not self.worker_trusted(w)}
+        return {(i, d) for i, d in self.core.untrusted_workers()}
+
+    def known_workers(self) -> set[tuple[str, int]]:
+        return {(i, d) for i, d in self.core.workers()}
 
     def expired(self, now_us: int, timeout_us: int) -> list[tuple[str, int, int]]:
-        return [k for k, s in self.ranks.items() if now_us - s.last_seen_us > timeout_us]
+        return [(i, d, t) for i, d, t in self.core.expired(now_us, timeout_us)]
 
     def forget(self, rank: tuple[str, int, int]) -> None:
-        self.ranks.pop(rank, None)
+        self.core.forget(*rank)
 
     def forget_worker(self, worker: tuple[str, int]) -> None:
-        for k in [k for k in self.ranks if k[:2] == worker]:
-            del self.ranks[k]
-        self.tp_size.pop(worker, None)
+        self.core.forget_worker(worker[0], worker[1])

@@ -150,12 +150,13 @@ def capture(applier: Applier, topic: str, partition: int) -> SnapshotBody:
     """The state of one partition's workers, consistent with its position
     (call it between two records: it is synchronous, the loop cannot apply)."""
     workers = set(applier.workers_by_partition.get(partition, ()))
+    tps = applier.ranks.tp_size
     ranks = [
         RankRecord(
             i,
             d,
             t,
-            applier.ranks.tp_size.get((i, d), 1),
+            tps.get((i, d), 1),
             s.epoch,
             s.last_seq,
             s.trusted,
@@ -209,8 +210,7 @@ def load(applier: Applier, body: SnapshotBody, untrusted_reason: str | None = No
         )
         if untrusted_reason:
             st.trusted, st.untrusted_reason = False, untrusted_reason
-        applier.ranks.ranks[(r.instance_id, r.dp_rank, r.tp_rank)] = st
-        applier.ranks.tp_size[(r.instance_id, r.dp_rank)] = r.tp_size
+        applier.ranks.restore((r.instance_id, r.dp_rank, r.tp_rank), st, r.tp_size)
     applier.workers_by_partition[body.partition] = set(workers)
     applier.positions[body.partition] = body.next_offset
 

@@ -77,3 +77,62 @@ class Index:
 def xxh3_64(data: Any, seed: int = 0) -> int: ...
 def chain_keys(tokens: Any, bs: int, n: int, parent: int, ctx: Any) -> bytes: ...
 def context_seed(block_size: int, lora_name: str | None = None) -> int: ...
+
+# ---------------------------------------------------------------- fence and pipeline (rust/src/pipeline.rs)
+
+class Fence:
+    def __init__(self) -> None: ...
+    def admit(
+        self,
+        inst: str,
+        dp: int,
+        tp_rank: int,
+        tp_size: int,
+        epoch: int,
+        seq: int,
+        ts_us: int,
+        reset: bool,
+        gap: int,
+    ) -> int: ...
+    def worker_trusted(self, inst: str, dp: int) -> bool: ...
+    def untrusted_workers(self) -> list[tuple[str, int]]: ...
+    def workers(self) -> list[tuple[str, int]]: ...
+    def expired(self, now_us: int, timeout_us: int) -> list[tuple[str, int, int]]: ...
+    def forget(self, inst: str, dp: int, tp_rank: int) -> None: ...
+    def forget_worker(self, inst: str, dp: int) -> None: ...
+    def state_known(self, inst: str, dp: int, tp_rank: int) -> None: ...
+    def ranks(self) -> list[tuple[str, int, int, int, int, bool, str, int, list[int], int, int]]: ...
+    def tp_sizes(self) -> list[tuple[str, int, int]]: ...
+    def restore(
+        self,
+        inst: str,
+        dp: int,
+        tp_rank: int,
+        tp_size: int,
+        epoch: int,
+        last_seq: int,
+        trusted: bool,
+        reason: str,
+        last_seen_us: int,
+        retired: list[int],
+        records: int,
+        gaps: int,
+    ) -> None: ...
+
+# (records, duplicates, stale, gap batches, resets, blocks, events, max lag in us or None)
+_Tally = tuple[int, int, int, int, int, int, int, int | None]
+
+def apply_poll(
+    index: Index, fence: Fence, records: list[Any], start: int, budget_us: int, now_us: int
+) -> tuple[int, bool, _Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
+def apply_decoded(
+    index: Index,
+    fence: Fence,
+    worker: tuple[str, int, int, int],
+    stamp: tuple[int, int, int, bool, int],
+    events: list[tuple[Any, ...]],
+    now_us: int,
+) -> tuple[int, _Tally, str | None]: ...
+def score_trusted(
+    index: Index, fence: Fence, queries: list[tuple[Any, ...]], top_k: int | None = None, as_json: bool = True
+) -> Any: ...

@@ -111,11 +111,7 @@ pub struct Stats {
 /// Where a query's block keys come from.
 pub enum Query<'a> {
     /// Token ids hashed lazily in `bs`-token blocks under `ctx`.
-    Tokens {
-        tokens: &'a [u8],
-        bs: usize,
-        ctx: Ctx<'a>,
-    },
+    Tokens { tokens: &'a [u8], bs: usize, ctx: Ctx<'a> },
     /// Precomputed keys, each worth `scale` tokens.
     Keys { keys: &'a [u64], scale: i64 },
 }
@@ -152,7 +148,6 @@ pub struct Index {
     scratch: Vec<u64>,
 }
 
-
 impl Index {
     pub fn new() -> Self {
         Self::default()
@@ -161,11 +156,7 @@ impl Index {
     // ------------------------------------------------------------ registry
 
     pub fn worker_id(&self, inst: &str, dp: i64) -> Option<u32> {
-        self.worker_ids
-            .get(inst)?
-            .iter()
-            .find(|(d, _)| *d == dp)
-            .map(|(_, w)| *w)
+        self.worker_ids.get(inst)?.iter().find(|(d, _)| *d == dp).map(|(_, w)| *w)
     }
 
     fn worker(&mut self, inst: &str, dp: i64, tp: u32) -> u32 {
@@ -180,17 +171,8 @@ impl Index {
             return w;
         }
         let w = self.workers.len() as u32;
-        self.workers.push(Worker {
-            inst: inst.to_owned(),
-            dp,
-            tp_size: tp,
-            ranks: vec![],
-            wms: vec![],
-        });
-        self.worker_ids
-            .entry(inst.to_owned())
-            .or_default()
-            .push((dp, w));
+        self.workers.push(Worker { inst: inst.to_owned(), dp, tp_size: tp, ranks: vec![], wms: vec![] });
+        self.worker_ids.entry(inst.to_owned()).or_default().push((dp, w));
         self.name_rank.clear();
         w
     }
@@ -221,11 +203,7 @@ impl Index {
 
     fn sync_tp(&mut self, w: u32) {
         let wk = &self.workers[w as usize];
-        let tp = if wk.tp_size == 1 && wk.ranks.len() <= 1 {
-            0
-        } else {
-            wk.tp_size
-        };
+        let tp = if wk.tp_size == 1 && wk.ranks.len() <= 1 { 0 } else { wk.tp_size };
         for &wm in &wk.wms {
             self.hd.wm_tp[wm as usize] = tp;
         }
@@ -242,12 +220,7 @@ impl Index {
         self.hd.wm_blocks = blocks;
     }
 
-    fn table(
-        &mut self,
-        rank: &RankId,
-        medium: Option<&str>,
-        group: i64,
-    ) -> Result<Loc, ApplyError> {
+    fn table(&mut self, rank: &RankId, medium: Option<&str>, group: i64) -> Result<Loc, ApplyError> {
         let tp = rank.tp_size.max(1) as u32;
         let w = self.worker(rank.inst, rank.dp, tp);
         let mid = self.medium_id(medium);
@@ -255,18 +228,11 @@ impl Index {
         let r = match wk.ranks.iter().position(|r| r.tp_rank == rank.tp_rank) {
             Some(r) => r,
             None => {
-                wk.ranks.push(Rank {
-                    tp_rank: rank.tp_rank,
-                    tables: vec![],
-                });
+                wk.ranks.push(Rank { tp_rank: rank.tp_rank, tables: vec![] });
                 wk.ranks.len() - 1
             }
         };
-        if let Some(t) = wk.ranks[r]
-            .tables
-            .iter()
-            .position(|t| t.medium == mid && t.group == group)
-        {
+        if let Some(t) = wk.ranks[r].tables.iter().position(|t| t.medium == mid && t.group == group) {
             return Ok((w, r, t));
         }
         let wm = match self.wm_ids.get(&(w, mid)) {
@@ -311,14 +277,8 @@ impl Index {
     /// Check that every event of a record can be applied (token counts).
     pub fn validate(events: &[Ev]) -> Result<(), ApplyError> {
         for (e, ev) in events.iter().enumerate() {
-            if let Ev::Store {
-                ehs, tokens, bs, ..
-            } = ev
-            {
-                if *bs > 0
-                    && !tokens.is_empty()
-                    && (tokens.len() / 4) as i64 != bs * ehs.len() as i64
-                {
+            if let Ev::Store { ehs, tokens, bs, .. } = ev {
+                if *bs > 0 && !tokens.is_empty() && (tokens.len() / 4) as i64 != bs * ehs.len() as i64 {
                     return Err(ApplyError::Malformed(
                         e,
                         format!(
@@ -346,16 +306,7 @@ impl Index {
         let mut blocks = 0u64;
         for (e, ev) in events.iter().enumerate() {
             let r = match ev {
-                Ev::Store {
-                    medium,
-                    group,
-                    ehs,
-                    tokens,
-                    bs,
-                    parent,
-                    lora,
-                    blk_ctx,
-                } => {
+                Ev::Store { medium, group, ehs, tokens, bs, parent, lora, blk_ctx } => {
                     let n = ehs.len();
                     if n == 0 {
                         continue;
@@ -496,13 +447,7 @@ impl Index {
         (orphan_root(peh), true)
     }
 
-    fn remove(
-        &mut self,
-        rank: &RankId,
-        medium: Option<&str>,
-        group: i64,
-        ehs: &[u64],
-    ) -> Result<(), ApplyError> {
+    fn remove(&mut self, rank: &RankId, medium: Option<&str>, group: i64, ehs: &[u64]) -> Result<(), ApplyError> {
         let l = self.table(rank, medium, group)?;
         for &eh in ehs {
             let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
@@ -545,10 +490,7 @@ impl Index {
 
     fn rank_pos(&self, inst: &str, dp: i64, tp_rank: i64) -> Option<(u32, usize)> {
         let w = self.worker_id(inst, dp)?;
-        let r = self.workers[w as usize]
-            .ranks
-            .iter()
-            .position(|r| r.tp_rank == tp_rank)?;
+        let r = self.workers[w as usize].ranks.iter().position(|r| r.tp_rank == tp_rank)?;
         Some((w, r))
     }
 
@@ -647,13 +589,7 @@ impl Index {
     /// Longest held prefix per worker over every query (max per field across
     /// queries, i.e. block sizes), ordered best first, at most `top_k`.
     /// `mask[w]` false excludes worker w.
-    pub fn score(
-        &mut self,
-        queries: &[Query],
-        weights: &[f64],
-        mask: Option<&[bool]>,
-        top_k: Option<usize>,
-    ) -> Scores {
+    pub fn score(&mut self, queries: &[Query], weights: &[f64], mask: Option<&[bool]>, top_k: Option<usize>) -> Scores {
         let nw = self.workers.len();
         let nwm = self.wm_worker.len();
         let mut out = Scores::default();
@@ -753,9 +689,7 @@ impl Index {
         if !hit_any {
             return out;
         }
-        let mut hits: Vec<u32> = (0..nw as u32)
-            .filter(|&w| best_run[w as usize] > 0)
-            .collect();
+        let mut hits: Vec<u32> = (0..nw as u32).filter(|&w| best_run[w as usize] > 0).collect();
         let nr = self.name_ranks().to_vec();
         let cmp = |a: &u32, b: &u32| {
             let (a, b) = (*a as usize, *b as usize);
@@ -818,8 +752,7 @@ impl Index {
             for &wm in &wk.wms {
                 let b = self.hd.wm_blocks[wm as usize];
                 if b != 0 {
-                    st.blocks
-                        .push((self.media[self.wm_medium[wm as usize] as usize].clone(), b));
+                    st.blocks.push((self.media[self.wm_medium[wm as usize] as usize].clone(), b));
                 }
             }
             for r in &wk.ranks {
@@ -840,19 +773,11 @@ impl Index {
     }
 
     pub fn entries(&self) -> i64 {
-        self.workers
-            .iter()
-            .flat_map(|w| &w.ranks)
-            .flat_map(|r| &r.tables)
-            .map(|t| t.count)
-            .sum()
+        self.workers.iter().flat_map(|w| &w.ranks).flat_map(|r| &r.tables).map(|t| t.count).sum()
     }
 
     pub fn nbytes(&self) -> usize {
-        let mut n = self.s.nbytes()
-            + self.hd.rm_wm.len() * 4
-            + self.hd.wm_tp.len() * 16
-            + self.wm_worker.len() * 8;
+        let mut n = self.s.nbytes() + self.hd.rm_wm.len() * 4 + self.hd.wm_tp.len() * 16 + self.wm_worker.len() * 8;
         for w in &self.workers {
             for r in &w.ranks {
                 for t in &r.tables {
@@ -904,9 +829,7 @@ impl Index {
         unknown: i64,
         dups: i64,
     ) -> Result<(), String> {
-        let l = self
-            .table(rank, Some(medium), group)
-            .map_err(|_| "too many (rank, medium) pairs".to_string())?;
+        let l = self.table(rank, Some(medium), group).map_err(|_| "too many (rank, medium) pairs".to_string())?;
         let rm = self.tab(l).rm;
         self.tab(l).reserve(ehs.len());
         for i in 0..ehs.len() {
@@ -937,20 +860,13 @@ mod tests {
     use super::*;
 
     fn toks(n: u32) -> Vec<u8> {
-        (1000..1000 + n)
-            .flat_map(|t: u32| t.to_le_bytes())
-            .collect()
+        (1000..1000 + n).flat_map(|t: u32| t.to_le_bytes()).collect()
     }
 
     #[test]
     fn store_score_remove_and_overflow_rolls_back() {
         let mut ix = Index::new();
-        let r = RankId {
-            inst: "a",
-            dp: 0,
-            tp_rank: 0,
-            tp_size: 1,
-        };
+        let r = RankId { inst: "a", dp: 0, tp_rank: 0, tp_size: 1 };
         let t = toks(64);
         let ehs = [1u64, 2, 3, 4];
         let ev = Ev::Store {
@@ -967,16 +883,7 @@ mod tests {
         assert_eq!(ix.holder_blocks(), 4);
         let ctx = Ctx::One(ix.context(16, None));
         let w = vec![1.0; ix.media.len()];
-        let s = ix.score(
-            &[Query::Tokens {
-                tokens: &t,
-                bs: 16,
-                ctx,
-            }],
-            &w,
-            None,
-            None,
-        );
+        let s = ix.score(&[Query::Tokens { tokens: &t, bs: 16, ctx }], &w, None, None);
         assert_eq!(s.matched, vec![64]);
         // Fill a refcount to its ceiling, then a record that overflows applies nothing.
         let one = [9u64];
@@ -997,11 +904,7 @@ mod tests {
         let before = (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups);
         let rmv = [1u64];
         let evs = [
-            Ev::Remove {
-                medium: None,
-                group: 0,
-                ehs: &rmv,
-            },
+            Ev::Remove { medium: None, group: 0, ehs: &rmv },
             Ev::Clear,
             Ev::Store {
                 medium: None,
@@ -1040,23 +943,10 @@ mod tests {
             };
             ix.apply(&r, &[ev], true).unwrap();
         }
-        let before2 = (
-            ix.holder_blocks(),
-            ix.entries(),
-            ix.stats()[0].dups,
-            ix.stats()[0].unknown,
-        );
+        let before2 = (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups, ix.stats()[0].unknown);
         let evs = [
-            Ev::Remove {
-                medium: None,
-                group: 0,
-                ehs: &[77],
-            },
-            Ev::Remove {
-                medium: None,
-                group: 0,
-                ehs: &one,
-            },
+            Ev::Remove { medium: None, group: 0, ehs: &[77] },
+            Ev::Remove { medium: None, group: 0, ehs: &one },
             Ev::Store {
                 medium: None,
                 group: 0,
@@ -1079,15 +969,7 @@ mod tests {
             },
         ];
         assert_eq!(ix.apply(&r, &evs, true), Err(ApplyError::Overflow));
-        assert_eq!(
-            before2,
-            (
-                ix.holder_blocks(),
-                ix.entries(),
-                ix.stats()[0].dups,
-                ix.stats()[0].unknown
-            )
-        );
+        assert_eq!(before2, (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups, ix.stats()[0].unknown));
         let _ = before;
     }
 }

@@ -30,9 +30,7 @@ fn token_bytes(t: &[u32]) -> std::borrow::Cow<'_, [u8]> {
     #[cfg(target_endian = "little")]
     {
         // SAFETY: u32 has no padding and any byte pattern is a valid u8.
-        std::borrow::Cow::Borrowed(unsafe {
-            std::slice::from_raw_parts(t.as_ptr() as *const u8, t.len() * 4)
-        })
+        std::borrow::Cow::Borrowed(unsafe { std::slice::from_raw_parts(t.as_ptr() as *const u8, t.len() * 4) })
     }
     #[cfg(not(target_endian = "little"))]
     {
@@ -122,10 +120,7 @@ pub struct CtxCache {
 impl CtxCache {
     pub fn get(&mut self, bs: i64, lora: Option<&str>) -> u64 {
         match lora {
-            None => *self
-                .plain
-                .entry(bs)
-                .or_insert_with(|| context_seed(bs, None)),
+            None => *self.plain.entry(bs).or_insert_with(|| context_seed(bs, None)),
             Some(l) => {
                 if let Some(c) = self.lora.get(l).and_then(|m| m.get(&bs)) {
                     return *c;
@@ -148,36 +143,16 @@ mod tests {
     fn chain_continues() {
         let toks: Vec<u8> = (0u32..64).flat_map(|t| t.to_le_bytes()).collect();
         let mut all = vec![];
-        chain(
-            &toks,
-            16,
-            4,
-            ROOT,
-            Ctx::One(context_seed(16, None)),
-            &mut all,
-        );
+        chain(&toks, 16, 4, ROOT, Ctx::One(context_seed(16, None)), &mut all);
         let mut tail = vec![];
-        chain(
-            &toks[128..],
-            16,
-            2,
-            all[1],
-            Ctx::One(context_seed(16, None)),
-            &mut tail,
-        );
+        chain(&toks[128..], 16, 2, all[1], Ctx::One(context_seed(16, None)), &mut tail);
         assert_eq!(&all[2..], &tail[..]);
     }
 
     #[test]
     fn canonical_context_matches_python() {
         // keys.context_seed(16) == xxh3(b"t3:s12:kvwire-ctx/1i2:16N")
-        assert_eq!(
-            context_seed(16, None),
-            xxh3(b"t3:s12:kvwire-ctx/1i2:16N", 0)
-        );
-        assert_eq!(
-            context_seed(-1, Some("ad")),
-            xxh3(b"t3:s12:kvwire-ctx/1i2:-1s2:ad", 0)
-        );
+        assert_eq!(context_seed(16, None), xxh3(b"t3:s12:kvwire-ctx/1i2:16N", 0));
+        assert_eq!(context_seed(-1, Some("ad")), xxh3(b"t3:s12:kvwire-ctx/1i2:-1s2:ad", 0));
     }
 }

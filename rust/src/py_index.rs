@@ -21,12 +21,9 @@ impl RawBuf {
     pub fn get(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
         let mut view: Box<pyo3::ffi::Py_buffer> = Box::new(unsafe { std::mem::zeroed() });
         // SAFETY: a zeroed Py_buffer is what PyObject_GetBuffer fills; released in Drop.
-        let rc = unsafe {
-            pyo3::ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, pyo3::ffi::PyBUF_SIMPLE)
-        };
+        let rc = unsafe { pyo3::ffi::PyObject_GetBuffer(obj.as_ptr(), &mut *view, pyo3::ffi::PyBUF_SIMPLE) };
         if rc != 0 {
-            return Err(PyErr::take(obj.py())
-                .unwrap_or_else(|| PyBufferError::new_err("not a contiguous buffer")));
+            return Err(PyErr::take(obj.py()).unwrap_or_else(|| PyBufferError::new_err("not a contiguous buffer")));
         }
         Ok(RawBuf { view })
     }
@@ -48,9 +45,7 @@ impl Drop for RawBuf {
 }
 
 pub fn words_u64(b: &[u8]) -> Vec<u64> {
-    b.chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
 fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) -> Bound<'py, PyBytes> {
@@ -93,7 +88,7 @@ fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
     Ok(v)
 }
 
-struct OwnedEv {
+pub(crate) struct OwnedEv {
     kind: u8,
     medium: Option<String>,
     group: i64,
@@ -105,7 +100,7 @@ struct OwnedEv {
     blk_ctx: Option<Vec<u64>>,
 }
 
-fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
+pub(crate) fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
     let kind: u8 = t.get_item(0)?.extract()?;
     let mut ev = OwnedEv {
         kind,
@@ -128,11 +123,7 @@ fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
         ev.tokens = Some(RawBuf::get(&t.get_item(4)?)?);
         ev.bs = t.get_item(5)?.extract()?;
         let p = t.get_item(6)?;
-        ev.parent = if p.is_none() {
-            None
-        } else {
-            Some(engine_hash(&p)?)
-        };
+        ev.parent = if p.is_none() { None } else { Some(engine_hash(&p)?) };
         ev.lora = t.get_item(7)?.extract()?;
         let c = t.get_item(8)?;
         if !c.is_none() {
@@ -142,7 +133,7 @@ fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
     Ok(ev)
 }
 
-fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
+pub(crate) fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
     owned
         .iter()
         .map(|e| match e.kind {
@@ -156,11 +147,7 @@ fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
                 lora: e.lora.as_deref(),
                 blk_ctx: e.blk_ctx.as_deref(),
             },
-            1 => Ev::Remove {
-                medium: e.medium.as_deref(),
-                group: e.group,
-                ehs: &e.ehs,
-            },
+            1 => Ev::Remove { medium: e.medium.as_deref(), group: e.group, ehs: &e.ehs },
             _ => Ev::Clear,
         })
         .collect()
@@ -266,11 +253,7 @@ pub fn scores_json(ix: &Index, s: &Scores) -> String {
         let wk = &ix.workers[s.worker[i] as usize];
         out.push_str("{\"instance_id\":");
         json_str(&mut out, &wk.inst);
-        let _ = write!(
-            out,
-            ",\"dp_rank\":{},\"matched_tokens\":{},\"by_medium\":{{",
-            wk.dp, s.matched[i]
-        );
+        let _ = write!(out, ",\"dp_rank\":{},\"matched_tokens\":{},\"by_medium\":{{", wk.dp, s.matched[i]);
         for j in s.by_off[i] as usize..s.by_off[i + 1] as usize {
             if j > s.by_off[i] as usize {
                 out.push(',');
@@ -290,29 +273,15 @@ pub fn scores_json(ix: &Index, s: &Scores) -> String {
 impl PyIndex {
     #[new]
     #[pyo3(signature = (weights=None, default_weight=0.5, capacity=0))]
-    fn new(
-        weights: Option<std::collections::HashMap<String, f64>>,
-        default_weight: f64,
-        capacity: usize,
-    ) -> Self {
+    fn new(weights: Option<std::collections::HashMap<String, f64>>, default_weight: f64, capacity: usize) -> Self {
         let weights = weights.unwrap_or_else(|| {
-            [
-                ("GPU".to_string(), 1.0),
-                ("CPU".to_string(), 0.8),
-                ("STORAGE".to_string(), 0.5),
-            ]
-            .into_iter()
-            .collect()
+            [("GPU".to_string(), 1.0), ("CPU".to_string(), 0.8), ("STORAGE".to_string(), 0.5)].into_iter().collect()
         });
         let mut ix = Index::new();
         if capacity > 0 {
             ix.s.reserve(capacity);
         }
-        PyIndex {
-            ix,
-            weights,
-            default_weight,
-        }
+        PyIndex { ix, weights, default_weight }
     }
 
     /// Apply one rank's events: (status, blocks, event, message) with status
@@ -331,12 +300,7 @@ impl PyIndex {
             owned.push(owned_event(e.cast::<PyTuple>()?)?);
         }
         let evs = borrow_events(&owned);
-        let rank = RankId {
-            inst,
-            dp,
-            tp_rank,
-            tp_size,
-        };
+        let rank = RankId { inst, dp, tp_rank, tp_size };
         Ok(match self.ix.apply(&rank, &evs, atomic) {
             Ok(n) => (0, n, -1, String::new()),
             Err(ApplyError::Malformed(e, m)) => (1, 0, e as i64, m),
@@ -361,7 +325,7 @@ impl PyIndex {
     /// or the JSON list when `as_json`.
     #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
     #[allow(clippy::too_many_arguments)]
-    fn score<'py>(
+    pub fn score<'py>(
         &mut self,
         py: Python<'py>,
         queries: &Bound<'py, PyList>,
@@ -393,11 +357,7 @@ impl PyIndex {
             let n: i64 = t.get_item(2)?.extract()?;
             if kind == "t" {
                 let c = t.get_item(3)?;
-                ctxs.push(if c.is_none() {
-                    None
-                } else {
-                    Some(words_u64(RawBuf::get(&c)?.bytes()))
-                });
+                ctxs.push(if c.is_none() { None } else { Some(words_u64(RawBuf::get(&c)?.bytes())) });
                 let lora: Option<String> = t.get_item(4)?.extract()?;
                 meta.push((true, n, lora));
             } else {
@@ -417,16 +377,9 @@ impl PyIndex {
                     Some(c) => Ctx::One(c[0]),
                     None => Ctx::One(self.ix.context(*n, lora.as_deref())),
                 };
-                qs.push(Query::Tokens {
-                    tokens: bufs[i].bytes(),
-                    bs: *n as usize,
-                    ctx,
-                });
+                qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: *n as usize, ctx });
             } else {
-                qs.push(Query::Keys {
-                    keys: ctxs[i].as_ref().unwrap(),
-                    scale: *n,
-                });
+                qs.push(Query::Keys { keys: ctxs[i].as_ref().unwrap(), scale: *n });
             }
         }
         let s = self.ix.score(&qs, &wts, mask.as_deref(), top_k);
@@ -438,11 +391,7 @@ impl PyIndex {
 
     /// (instance_id, dp_rank) of every worker id ever seen, by id.
     fn worker_names(&self) -> Vec<(String, i64)> {
-        self.ix
-            .workers
-            .iter()
-            .map(|w| (w.inst.clone(), w.dp))
-            .collect()
+        self.ix.workers.iter().map(|w| (w.inst.clone(), w.dp)).collect()
     }
 
     fn media(&self) -> Vec<String> {
@@ -454,38 +403,17 @@ impl PyIndex {
         (0..self.ix.wm_worker.len())
             .map(|wm| {
                 let w = &self.ix.workers[self.ix.wm_worker[wm] as usize];
-                (
-                    w.inst.clone(),
-                    w.dp,
-                    self.ix.media[self.ix.wm_medium[wm] as usize].clone(),
-                )
+                (w.inst.clone(), w.dp, self.ix.media[self.ix.wm_medium[wm] as usize].clone())
             })
             .collect()
     }
 
     #[allow(clippy::type_complexity)]
-    fn stats(
-        &self,
-    ) -> Vec<(
-        String,
-        i64,
-        u32,
-        usize,
-        Vec<(String, i64)>,
-        i64,
-        i64,
-        i64,
-        i64,
-    )> {
+    fn stats(&self) -> Vec<(String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64)> {
         self.ix
             .stats()
             .into_iter()
-            .map(|s| {
-                (
-                    s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown,
-                    s.dups,
-                )
-            })
+            .map(|s| (s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown, s.dups))
             .collect()
     }
 
@@ -576,12 +504,7 @@ impl PyIndex {
                 }
             }
         }
-        (
-            tables,
-            PyBytes::new(py, &ehs),
-            PyBytes::new(py, &ks),
-            PyBytes::new(py, &ms),
-        )
+        (tables, PyBytes::new(py, &ehs), PyBytes::new(py, &ks), PyBytes::new(py, &ms))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -601,25 +524,15 @@ impl PyIndex {
     ) -> PyResult<()> {
         let e = words_u64(RawBuf::get(ehs)?.bytes());
         let k = words_u64(RawBuf::get(keys)?.bytes());
-        let m: Vec<u16> = RawBuf::get(metas)?
-            .bytes()
-            .chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-            .collect();
+        let m: Vec<u16> =
+            RawBuf::get(metas)?.bytes().chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
         if e.len() != k.len() || e.len() != m.len() {
             return Err(PyValueError::new_err("array lengths differ"));
         }
-        let rank = RankId {
-            inst,
-            dp,
-            tp_rank,
-            tp_size,
-        };
+        let rank = RankId { inst, dp, tp_rank, tp_size };
         self.ix
             .import_table(&rank, medium, group, &e, &k, &m, unknown, dups)
-            .map_err(|why| {
-                PyValueError::new_err(format!("index blob: {why} for {inst}/{dp} rank {tp_rank}"))
-            })
+            .map_err(|why| PyValueError::new_err(format!("index blob: {why} for {inst}/{dp} rank {tp_rank}")))
     }
 }
 
@@ -646,15 +559,9 @@ fn chain_keys<'py>(
     let t = RawBuf::get(tokens)?;
     let c = words_u64(RawBuf::get(ctx)?.bytes());
     if c.is_empty() || (c.len() > 1 && c.len() < n) || t.bytes().len() < n * bs * 4 || bs == 0 {
-        return Err(PyValueError::new_err(
-            "chain_keys: short tokens or contexts",
-        ));
+        return Err(PyValueError::new_err("chain_keys: short tokens or contexts"));
     }
-    let ctx = if c.len() > 1 {
-        Ctx::PerBlock(&c)
-    } else {
-        Ctx::One(c[0])
-    };
+    let ctx = if c.len() > 1 { Ctx::PerBlock(&c) } else { Ctx::One(c[0]) };
     let mut out = Vec::with_capacity(n);
     keys::chain(t.bytes(), bs, n, parent, ctx, &mut out);
     Ok(u64_bytes(py, out))

@@ -71,12 +71,7 @@ pub struct RShard {
 
 impl RShard {
     fn new(cap: usize) -> Self {
-        RShard {
-            eh: vec![0; cap],
-            key: vec![0; cap],
-            meta: vec![0; cap],
-            len: 0,
-        }
+        RShard { eh: vec![0; cap], key: vec![0; cap], meta: vec![0; cap], len: 0 }
     }
 
     #[inline]
@@ -141,11 +136,7 @@ impl RShard {
             }
             let h = home(mix(self.eh[j]), cap);
             // Move j back to the hole i unless j's home lies cyclically in (i, j].
-            let stay = if i <= j {
-                i < h && h <= j
-            } else {
-                h > i || h <= j
-            };
+            let stay = if i <= j { i < h && h <= j } else { h > i || h <= j };
             if !stay {
                 self.eh[i] = self.eh[j];
                 self.key[i] = self.key[j];
@@ -181,9 +172,7 @@ fn r_shard(h: u64) -> usize {
 impl RTable {
     pub fn new(rm: u32, medium: u32, group: i64) -> Self {
         RTable {
-            shards: (0..1usize << R_SHARD_BITS)
-                .map(|_| RShard::new(MIN_CAP))
-                .collect(),
+            shards: (0..1usize << R_SHARD_BITS).map(|_| RShard::new(MIN_CAP)).collect(),
             rm,
             medium,
             group,
@@ -247,11 +236,9 @@ impl RTable {
 
     /// Every live entry: (engine hash, key, meta).
     pub fn entries(&self) -> impl Iterator<Item = (u64, u64, u16)> + '_ {
-        self.shards.iter().flat_map(|s| {
-            (0..s.eh.len())
-                .filter(move |&i| s.meta[i] != 0)
-                .map(move |i| (s.eh[i], s.key[i], s.meta[i]))
-        })
+        self.shards
+            .iter()
+            .flat_map(|s| (0..s.eh.len()).filter(move |&i| s.meta[i] != 0).map(move |i| (s.eh[i], s.key[i], s.meta[i])))
     }
 
     /// Empty the table (counters of unknown removes and duplicates survive).
@@ -285,11 +272,7 @@ fn s_shard(h: u64) -> usize {
 
 impl SShard {
     fn new(cap: usize) -> Self {
-        SShard {
-            key: vec![0; cap],
-            meta: vec![0; cap],
-            len: 0,
-        }
+        SShard { key: vec![0; cap], meta: vec![0; cap], len: 0 }
     }
 
     fn grow(&mut self, need: usize) {
@@ -327,11 +310,7 @@ impl SShard {
                 break;
             }
             let h = home(mix(self.key[j]), cap);
-            let stay = if i <= j {
-                i < h && h <= j
-            } else {
-                h > i || h <= j
-            };
+            let stay = if i <= j { i < h && h <= j } else { h > i || h <= j };
             if !stay {
                 self.key[i] = self.key[j];
                 self.meta[i] = self.meta[j];
@@ -371,12 +350,7 @@ impl Default for STable {
 
 impl STable {
     pub fn new() -> Self {
-        STable {
-            shards: (0..1usize << S_SHARD_BITS)
-                .map(|_| SShard::new(MIN_CAP))
-                .collect(),
-            count: 0,
-        }
+        STable { shards: (0..1usize << S_SHARD_BITS).map(|_| SShard::new(MIN_CAP)).collect(), count: 0 }
     }
 
     /// Distinct ranks of `wm` holding `key` (each rm has at most one slot).

@@ -1,0 +1,293 @@
+//! Per-rank stream state: epoch fencing, sequence dedup, gaps, trust, expiry.
+//!
+//! Every rank publishes `(epoch, seq)`-stamped records. Kafka gives them in
+//! order per partition, but a log also holds duplicates (a producer retried
+//! before idempotence), late records of a dead incarnation (a zombie flushing
+//! after its replacement started), and holes (records lost upstream, or
+//! truncated by retention). `admit` decides, per record, what the index must
+//! do; it never touches the index itself (`pipeline.rs` does both).
+//!
+//! Epochs are random, so "newer" cannot be read off their values: an epoch is
+//! newer when it arrives after the current one; the epochs a rank has left are
+//! remembered (boundedly) so their late records are recognised and ignored.
+//!
+//! Trust: a rank is untrusted from the moment its view may be incomplete (it
+//! joined mid-stream, a new epoch without its reset, a seq hole, a producer
+//! gap, a record that could not be applied) until a point where its full state
+//! is known again: a reset record, or an AllBlocksCleared from that rank (its
+//! state is then known: empty; `pipeline.rs` calls `state_known` after such a
+//! record applied). A worker is trusted when all its `tp_size` ranks are.
+
+use std::collections::{HashMap, VecDeque};
+
+/// Enough to outlast any realistic burst of restarts of one rank.
+pub const RETIRED_EPOCHS: usize = 32;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    Apply = 0,
+    /// Drop the rank's blocks, then apply.
+    Reset = 1,
+    Duplicate = 2,
+    StaleEpoch = 3,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct RankState {
+    pub epoch: i64,
+    pub last_seq: i64,
+    pub trusted: bool,
+    pub last_seen_us: i64,
+    pub retired: VecDeque<i64>,
+    /// Why the rank is untrusted, for operators (/v1/workers).
+    pub reason: String,
+    pub records: i64,
+    pub gaps: i64,
+}
+
+/// One record's fencing input.
+#[derive(Clone, Copy)]
+pub struct Stamp<'a> {
+    pub inst: &'a str,
+    pub dp: i64,
+    pub tp_rank: i64,
+    pub tp_size: i64,
+    pub epoch: i64,
+    pub seq: i64,
+    pub ts_us: i64,
+    pub reset: bool,
+    pub gap: i64,
+}
+
+#[derive(Default)]
+pub struct Fence {
+    /// instance_id -> (dp_rank, tp_rank) -> state
+    ranks: HashMap<String, HashMap<(i64, i64), RankState>>,
+    /// instance_id -> dp_rank -> tp_size (the latest a rank said)
+    tp_size: HashMap<String, HashMap<i64, i64>>,
+}
+
+fn distrust(st: &mut RankState, why: String) {
+    st.trusted = false;
+    st.reason = why;
+}
+
+fn note(st: &mut RankState, s: &Stamp) {
+    st.records += 1;
+    st.last_seen_us = st.last_seen_us.max(s.ts_us);
+    if s.gap != 0 {
+        st.gaps += s.gap;
+        distrust(st, format!("producer lost {} batch(es) before seq {}", s.gap, s.seq));
+    }
+}
+
+impl Fence {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn admit(&mut self, s: &Stamp) -> Verdict {
+        match self.tp_size.get_mut(s.inst) {
+            Some(m) => {
+                m.insert(s.dp, s.tp_size);
+            }
+            None => {
+                self.tp_size.entry(s.inst.to_owned()).or_default().insert(s.dp, s.tp_size);
+            }
+        }
+        let by_inst = match self.ranks.get_mut(s.inst) {
+            Some(m) => m,
+            None => self.ranks.entry(s.inst.to_owned()).or_default(),
+        };
+        let Some(st) = by_inst.get_mut(&(s.dp, s.tp_rank)) else {
+            // First sight of a rank. Without a reset we joined its stream in
+            // the middle (log truncated by retention, or a rank that predates
+            // the snapshot we loaded): what it held before is unknown.
+            let mut st = RankState {
+                epoch: s.epoch,
+                last_seq: s.seq,
+                trusted: true,
+                last_seen_us: s.ts_us,
+                retired: VecDeque::new(),
+                reason: String::new(),
+                records: 0,
+                gaps: 0,
+            };
+            if !s.reset {
+                distrust(&mut st, "joined mid-stream (no reset record seen)".into());
+            }
+            note(&mut st, s);
+            by_inst.insert((s.dp, s.tp_rank), st);
+            return Verdict::Reset;
+        };
+        if s.epoch != st.epoch {
+            if st.retired.contains(&s.epoch) {
+                return Verdict::StaleEpoch;
+            }
+            if st.retired.len() == RETIRED_EPOCHS {
+                st.retired.pop_front();
+            }
+            st.retired.push_back(st.epoch);
+            st.epoch = s.epoch;
+            st.last_seq = s.seq;
+            st.trusted = true;
+            st.reason.clear();
+            if !s.reset {
+                distrust(st, "new epoch without its reset record".into());
+            }
+            note(st, s);
+            return Verdict::Reset;
+        }
+        if s.seq <= st.last_seq {
+            return Verdict::Duplicate;
+        }
+        if s.reset {
+            // A producer only resets at seq 0; a reset mid-epoch is a fresh
+            // start of the same incarnation (e.g. the bridge saw the engine
+            // restart without a new process): honour it.
+            st.trusted = true;
+            st.reason.clear();
+            st.last_seq = s.seq;
+            note(st, s);
+            return Verdict::Reset;
+        }
+        if s.seq != st.last_seq + 1 {
+            distrust(st, format!("records {}..{} missing from the log", st.last_seq + 1, s.seq - 1));
+        }
+        st.last_seq = s.seq;
+        note(st, s);
+        Verdict::Apply
+    }
+
+    pub fn get(&self, inst: &str, dp: i64, tp_rank: i64) -> Option<&RankState> {
+        self.ranks.get(inst)?.get(&(dp, tp_rank))
+    }
+
+    fn get_mut(&mut self, inst: &str, dp: i64, tp_rank: i64) -> Option<&mut RankState> {
+        self.ranks.get_mut(inst)?.get_mut(&(dp, tp_rank))
+    }
+
+    /// The rank's full state is known (it cleared everything): trusted again.
+    pub fn state_known(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        if let Some(st) = self.get_mut(inst, dp, tp_rank) {
+            st.trusted = true;
+            st.reason.clear();
+        }
+    }
+
+    pub fn distrust(&mut self, inst: &str, dp: i64, tp_rank: i64, why: String) {
+        if let Some(st) = self.get_mut(inst, dp, tp_rank) {
+            distrust(st, why);
+        }
+    }
+
+    pub fn tp_size_of(&self, inst: &str, dp: i64) -> Option<i64> {
+        self.tp_size.get(inst)?.get(&dp).copied()
+    }
+
+    /// A worker is trusted when every one of its ranks we know is, and we know all of them.
+    pub fn worker_trusted(&self, inst: &str, dp: i64) -> bool {
+        let mut n = 0i64;
+        if let Some(m) = self.ranks.get(inst) {
+            for ((d, _), st) in m {
+                if *d == dp {
+                    if !st.trusted {
+                        return false;
+                    }
+                    n += 1;
+                }
+            }
+        }
+        n >= self.tp_size_of(inst, dp).unwrap_or(1)
+    }
+
+    pub fn workers(&self) -> Vec<(&str, i64)> {
+        let mut out: Vec<(&str, i64)> = vec![];
+        for (inst, m) in &self.ranks {
+            for (d, _) in m.keys() {
+                if !out.iter().any(|(i, x)| i == inst && x == d) {
+                    out.push((inst, *d));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn untrusted_workers(&self) -> Vec<(&str, i64)> {
+        self.workers().into_iter().filter(|(i, d)| !self.worker_trusted(i, *d)).collect()
+    }
+
+    pub fn expired(&self, now_us: i64, timeout_us: i64) -> Vec<(String, i64, i64)> {
+        let mut out = vec![];
+        for (inst, m) in &self.ranks {
+            for ((d, t), st) in m {
+                if now_us - st.last_seen_us > timeout_us {
+                    out.push((inst.clone(), *d, *t));
+                }
+            }
+        }
+        out
+    }
+
+    pub fn forget(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        if let Some(m) = self.ranks.get_mut(inst) {
+            m.remove(&(dp, tp_rank));
+            if m.is_empty() {
+                self.ranks.remove(inst);
+            }
+        }
+    }
+
+    pub fn forget_worker(&mut self, inst: &str, dp: i64) {
+        if let Some(m) = self.ranks.get_mut(inst) {
+            m.retain(|(d, _), _| *d != dp);
+            if m.is_empty() {
+                self.ranks.remove(inst);
+            }
+        }
+        if let Some(m) = self.tp_size.get_mut(inst) {
+            m.remove(&dp);
+            if m.is_empty() {
+                self.tp_size.remove(inst);
+            }
+        }
+    }
+
+    /// Install a rank's state as a snapshot recorded it.
+    pub fn restore(&mut self, inst: &str, dp: i64, tp_rank: i64, st: RankState, tp_size: i64) {
+        self.ranks.entry(inst.to_owned()).or_default().insert((dp, tp_rank), st);
+        self.tp_size.entry(inst.to_owned()).or_default().insert(dp, tp_size);
+    }
+
+    pub fn all(&self) -> impl Iterator<Item = (&str, i64, i64, &RankState)> {
+        self.ranks.iter().flat_map(|(i, m)| m.iter().map(move |((d, t), st)| (i.as_str(), *d, *t, st)))
+    }
+
+    pub fn tp_sizes(&self) -> impl Iterator<Item = (&str, i64, i64)> {
+        self.tp_size.iter().flat_map(|(i, m)| m.iter().map(move |(d, t)| (i.as_str(), *d, *t)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn st(epoch: i64, seq: i64, reset: bool, gap: i64) -> Stamp<'static> {
+        Stamp { inst: "a", dp: 0, tp_rank: 0, tp_size: 1, epoch, seq, ts_us: 0, reset, gap }
+    }
+
+    #[test]
+    fn epochs_dups_gaps_and_known_state() {
+        let mut f = Fence::new();
+        assert_eq!(f.admit(&st(1, 0, true, 0)), Verdict::Reset);
+        assert!(f.worker_trusted("a", 0));
+        assert_eq!(f.admit(&st(1, 1, false, 0)), Verdict::Apply);
+        assert_eq!(f.admit(&st(1, 1, false, 0)), Verdict::Duplicate);
+        assert_eq!(f.admit(&st(1, 3, false, 0)), Verdict::Apply);
+        assert!(!f.worker_trusted("a", 0));
+        f.state_known("a", 0, 0);
+        assert!(f.worker_trusted("a", 0));
+        assert_eq!(f.admit(&st(2, 0, true, 0)), Verdict::Reset);
+        assert_eq!(f.admit(&st(1, 9, false, 0)), Verdict::StaleEpoch);
+    }
+}
