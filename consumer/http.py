@@ -90,31 +90,38 @@ def _int_param(q: Any, name: str, lo: int, hi: int) -> int | None:
     return n
 
 
-def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
-    """The octet-stream form: the body is the token ids as little-endian uint32, read in
-    place; the other fields come from the query string (unknown parameters are refused,
-    as unknown JSON fields are)."""
+def query_request(query: Any) -> ScoreRequest:
+    """The fields of the binary form, from the query string (no tokens yet). Checked
+    whatever the body (unknown parameters are refused, as unknown JSON fields are); a JSON
+    body carries its own fields and the query's are then not used."""
     unknown = sorted(set(query.keys()) - _QUERY_PARAMS)
     if unknown:
         raise BadRequest(400, f"invalid request: unknown query parameter(s) {', '.join(unknown)[:200]}")
-    if len(body) % 4:
-        raise BadRequest(400, f"invalid request: binary body of {len(body)} bytes is not whole uint32 token ids")
-    if len(body) // 4 > max_tokens:
-        raise BadRequest(413, f"{len(body) // 4} tokens; at most {max_tokens}")
-    tokens = np.frombuffer(body, np.uint32) if _LE else np.frombuffer(body, "<u4").astype(np.uint32)
     local = query.get("local")
     if local is not None and local.lower() not in _BOOL:
         raise BadRequest(400, f"invalid request: local must be true or false, got {local[:40]!r}")
     top_k = _int_param(query, "top_k", 1, MAX_RESULTS)
     limit = _int_param(query, "limit", 1, MAX_RESULTS)
     return ScoreRequest(
-        token_ids=tokens,  # type: ignore[arg-type]  # an ndarray: the core reads it in place
+        token_ids=[],
         lora_name=query.get("lora_name"),
         block_size=_int_param(query, "block_size", 1, 1 << 20),
         local=bool(local is not None and _BOOL[local.lower()]),
         limit=limit if limit is not None else 64,
         top_k=top_k,
     )
+
+
+def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
+    """The octet-stream form: the body is the token ids as little-endian uint32, read in
+    place; the other fields come from the query string (``query_request``)."""
+    req = query_request(query)
+    if len(body) % 4:
+        raise BadRequest(400, f"invalid request: binary body of {len(body)} bytes is not whole uint32 token ids")
+    if len(body) // 4 > max_tokens:
+        raise BadRequest(413, f"{len(body) // 4} tokens; at most {max_tokens}")
+    tokens = np.frombuffer(body, np.uint32) if _LE else np.frombuffer(body, "<u4").astype(np.uint32)
+    return msgspec.structs.replace(req, token_ids=tokens)
 
 
 def _top_k(req: ScoreRequest) -> int:
@@ -174,6 +181,8 @@ def make_app(
             if request.content_type == BINARY:
                 req = binary_request(body, request.query, max_tokens)
             else:
+                if request.query:
+                    query_request(request.query)
                 req = _decoder.decode(body)
                 if len(req.token_ids) > max_tokens:
                     return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")

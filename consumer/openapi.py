@@ -52,8 +52,31 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
                 "description": "Answer from this member's partitions only (what peers send each other).",
             },
             "limit": {"type": "integer", "minimum": 1, "maximum": max_results, "default": 64},
+            "top_k": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "maximum": max_results,
+                "description": "The binary form's name for limit; given both, top_k wins.",
+            },
         },
     }
+    binary = {
+        "type": "string",
+        "format": "binary",
+        "description": f"The prompt's token ids as little-endian uint32, 4 bytes each (at most {max_tokens}; "
+        "a length that is not a multiple of 4 gets 400). The other fields are query parameters.",
+    }
+
+    def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+        return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+    binary_params = [
+        query("lora_name", {"type": "string"}, "Binary body only (checked, then unused, with JSON): the LoRA name."),
+        query("block_size", {"type": "integer", "minimum": 1, "maximum": 1 << 20}, "Binary body only."),
+        query("top_k", {"type": "integer", "minimum": 1, "maximum": max_results}, "Binary body only (default 64)."),
+        query("limit", {"type": "integer", "minimum": 1, "maximum": max_results}, "Binary body only: as top_k."),
+        query("local", {"type": "boolean"}, "Binary body only: answer from this member's partitions only."),
+    ]
     rank = {
         "type": "object",
         "required": ["tp_rank", "epoch", "last_seq", "trusted"],
@@ -103,7 +126,16 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
                 "post": {
                     "operationId": "score",
                     "summary": "Score workers by the longest cached prefix of a prompt",
-                    "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                    "description": "JSON, or the binary form (application/octet-stream) whose fields other "
+                    "than the tokens travel as query parameters; both give the same answer.",
+                    "parameters": binary_params,
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {"schema": request},
+                            "application/octet-stream": {"schema": binary},
+                        },
+                    },
                     "responses": {
                         "200": _json(
                             {
@@ -117,7 +149,9 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
                             },
                             "Workers with a matched prefix, best first",
                         ),
-                        "400": _json(_ERROR, "Malformed JSON or a request outside the schema"),
+                        "400": _json(
+                            _ERROR, "Malformed JSON, a binary body not whole uint32s, or a request outside the schema"
+                        ),
                         "413": _json(_ERROR, "Body or token count over the limit"),
                     },
                 }
