@@ -59,6 +59,12 @@ def index(
         envvar=CONFIG_ENV,
         help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
     ),
+    http_workers: int = typer.Option(
+        1,
+        "--http-workers",
+        min=1,
+        help="Event loops serving HTTP on one SO_REUSEPORT port over the one index (scores run without the GIL)",
+    ),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Build a prefix-cache index from the topic and serve it over HTTP."""
@@ -81,6 +87,7 @@ def index(
             snapshot_failures,
             snapshot_retry,
             kafka_config,
+            http_workers,
         )
     )
     if code:
@@ -103,8 +110,9 @@ async def _run(
     snapshot_failures=5,
     snapshot_retry=1.0,
     kafka_config=None,
+    http_workers=1,
 ) -> int:
-    from kvwire.consumer.http import make_app, serve
+    from kvwire.consumer.http import HttpWorkers, make_app
     from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
 
     opts = client_options(kafka_config)
@@ -135,11 +143,20 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await member.start()
-    app = make_app(
-        member.applier, lambda: member.ready, peers=peers, max_tokens=max_tokens, health=lambda: member.failure
+    runner = HttpWorkers(
+        lambda: make_app(
+            member.applier, lambda: member.ready, peers=peers, max_tokens=max_tokens, health=lambda: member.failure
+        ),
+        host,
+        port,
+        http_workers,
     )
-    runner = await serve(app, host, port)
-    typer.echo(f"kvwire index: group {member.group_id}, http://{host}:{port}", err=True)
+    await runner.start()
+    typer.echo(
+        f"kvwire index: group {member.group_id}, http://{host}:{port}"
+        + (f" ({http_workers} HTTP workers)" if http_workers > 1 else ""),
+        err=True,
+    )
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(member.wait_failed())
     try:
