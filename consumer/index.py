@@ -47,8 +47,15 @@ Semantics (``tests/oracle.py`` is the executable spec):
   Results: workers with matched_tokens > 0, best first by (score,
   matched_tokens), then (instance_id, dp_rank); ``top_k`` keeps the first k.
 
-Trust is not the index's business: ``RankTable`` (``rank_state.py``) decides
-which workers are trusted and ``Applier.score`` excludes the others.
+- **Trust** (decided by the fence, ``rank_state.py`` / ``rust/src/fence.rs``;
+  ``Applier.score`` excludes untrusted workers): a rank is untrusted once its
+  view may be incomplete (joined mid-stream, new epoch without its reset, seq
+  hole, producer gap, a record refused whole, e.g. by a refcount overflow,
+  which is also dead-lettered) and trusted again at the next point its full
+  state is known: a reset record, or an AllBlocksCleared of that rank (it holds
+  nothing then; events after the clear in the same record apply normally, and a
+  gap carried by the same record happened before it). A worker is trusted when
+  all its ``tp_size`` ranks are. ``tests/oracle.py``'s ``FenceOracle`` is the spec.
 """
 
 from __future__ import annotations

@@ -241,3 +241,85 @@ class Oracle:
                 out.append(WorkerScore(w[0], w[1], best_run, best_by, best_score))
         out.sort(key=lambda s: (-s.score, -s.matched_tokens, s.instance_id, s.dp_rank))
         return out
+
+
+# ---------------------------------------------------------------- fencing and trust
+
+
+class FenceOracle:
+    """Reference model of the ingest's fencing and trust (``rank_state`` docstring),
+    written from the definition instead of as a state machine: per rank it keeps
+    the records admitted in the current epoch and recomputes trust from them.
+
+    A rank is trusted when its view since the last point its full state was
+    known is complete. Such a point is a reset record (known unless the reset
+    itself reports a gap) or an applied record holding an AllBlocksCleared (the
+    rank then holds nothing, whatever gap that record carries: the gap happened
+    before the clear). After it, every admitted record must follow by one seq,
+    carry no gap and have been applied. A worker is trusted when all its
+    ``tp_size`` ranks are known and trusted.
+
+    ``feed`` also drives an ``Oracle`` index with the records it admits, so a
+    test can compare both the trust and the blocks with the real pipeline."""
+
+    def __init__(self, retired_epochs: int = 32):
+        self.retired_epochs = retired_epochs
+        self.index = Oracle()
+        self.epochs: dict[tuple, list[int]] = {}  # rank -> epochs in arrival order (last = current)
+        self.history: dict[tuple, list[dict]] = {}  # rank -> admitted records of the current epoch
+        self.tp: dict[tuple, int] = {}
+
+    def feed(self, batch, applied: bool = True) -> str:
+        """One record in log order; ``applied=False`` models a record fenced but
+        then refused whole (a refcount overflow). Returns the verdict's value."""
+        from kvwire.schemas.events import AllBlocksCleared
+
+        w = batch.worker
+        r = w.rank
+        self.tp[w.worker] = w.tp_size
+        eps = self.epochs.setdefault(r, [])
+        hist = self.history.setdefault(r, [])
+        if not eps or batch.epoch != eps[-1]:
+            if batch.epoch in eps[:-1][-self.retired_epochs :]:
+                return "stale_epoch"
+            eps.append(batch.epoch)
+            hist.clear()
+            verdict = "reset"
+        elif batch.seq <= hist[-1]["seq"]:
+            return "duplicate"
+        else:
+            verdict = "reset" if batch.reset else "apply"
+        cleared = any(type(e) is AllBlocksCleared for e in batch.events)
+        hist.append({"seq": batch.seq, "reset": batch.reset, "gap": batch.gap, "applied": applied, "clear": cleared})
+        if applied:
+            if verdict == "reset":
+                self.index.clear(w)
+            self.index.apply_batch(w, batch.events)
+        return verdict
+
+    def rank_trusted(self, r) -> bool:
+        hist = self.history.get(r, [])
+        known = None
+        for i, h in enumerate(hist):
+            if h["applied"] and h["clear"]:
+                known = i
+            elif h["reset"]:
+                # A reset that owns up to a gap, or was refused, leaves nothing known.
+                known = i if h["gap"] == 0 and h["applied"] else None
+        if known is None:
+            return False
+        prev = hist[known]["seq"]
+        for h in hist[known + 1 :]:
+            if h["seq"] != prev + 1 or h["gap"] or not h["applied"]:
+                return False
+            prev = h["seq"]
+        return True
+
+    def untrusted_workers(self) -> set[tuple[str, int]]:
+        workers = {r[:2] for r in self.history}
+        out = set()
+        for w in workers:
+            ranks = [r for r in self.history if r[:2] == w]
+            if len(ranks) < self.tp.get(w, 1) or not all(self.rank_trusted(r) for r in ranks):
+                out.add(w)
+        return out

@@ -10,7 +10,8 @@ The oracle is ``tests/oracle.py`` (brute force, independent of the index) plus a
 ``PrefixIndex`` fed the very same calls, whose ``digest()`` is what a member's /v1/digest must say.
 Fencing here is deliberately simpler than ``kvwire.consumer.rank_state``: acknowledged records of one
 rank arrive in the producer's order, so a reset clears the rank and a gap (or a seq hole) makes
-it untrusted until the next reset; the epochs must appear in the order the driver created them.
+it untrusted until the next reset or AllBlocksCleared of that rank; the epochs must appear in the
+order the driver created them.
 """
 
 from __future__ import annotations
@@ -346,6 +347,7 @@ def build_expected(
             elif t is AllBlocksCleared:
                 o.clear(rank)
                 ref.clear(rank)
+                st["trusted"] = True  # its state is known again: empty (a gap it carried came before)
     workers = {r[:2] for r in state}
     tp = {w: n for w, n in o.tp.items()}
     untrusted = set()
