@@ -171,9 +171,21 @@ impl Index {
             return w;
         }
         let w = self.workers.len() as u32;
+        // The name order is kept current here (O(workers) per new worker) because `score`
+        // only reads and would otherwise sort on every call.
+        let p = self.workers.iter().filter(|x| (x.inst.as_str(), x.dp) < (inst, dp)).count() as u32;
+        if self.name_rank.len() == self.workers.len() {
+            for r in self.name_rank.iter_mut() {
+                if *r >= p {
+                    *r += 1;
+                }
+            }
+            self.name_rank.push(p);
+        } else {
+            self.name_rank.clear();
+        }
         self.workers.push(Worker { inst: inst.to_owned(), dp, tp_size: tp, ranks: vec![], wms: vec![] });
         self.worker_ids.entry(inst.to_owned()).or_default().push((dp, w));
-        self.name_rank.clear();
         w
     }
 
@@ -565,20 +577,18 @@ impl Index {
 
     // ------------------------------------------------------------ queries
 
-    fn name_ranks(&mut self) -> &[u32] {
-        if self.name_rank.len() != self.workers.len() {
-            let mut order: Vec<u32> = (0..self.workers.len() as u32).collect();
-            order.sort_by(|&a, &b| {
-                let (x, y) = (&self.workers[a as usize], &self.workers[b as usize]);
-                (x.inst.as_str(), x.dp).cmp(&(y.inst.as_str(), y.dp))
-            });
-            let mut nr = vec![0u32; order.len()];
-            for (i, &w) in order.iter().enumerate() {
-                nr[w as usize] = i as u32;
-            }
-            self.name_rank = nr;
+    /// Each worker id's rank in (instance_id, dp_rank) order: the score's last tie-break.
+    fn name_order(&self) -> Vec<u32> {
+        let mut order: Vec<u32> = (0..self.workers.len() as u32).collect();
+        order.sort_by(|&a, &b| {
+            let (x, y) = (&self.workers[a as usize], &self.workers[b as usize]);
+            (x.inst.as_str(), x.dp).cmp(&(y.inst.as_str(), y.dp))
+        });
+        let mut nr = vec![0u32; order.len()];
+        for (i, &w) in order.iter().enumerate() {
+            nr[w as usize] = i as u32;
         }
-        &self.name_rank
+        nr
     }
 
     /// Weights per medium id from a (name -> weight) lookup.
@@ -589,7 +599,8 @@ impl Index {
     /// Longest held prefix per worker over every query (max per field across
     /// queries, i.e. block sizes), ordered best first, at most `top_k`.
     /// `mask[w]` false excludes worker w.
-    pub fn score(&mut self, queries: &[Query], weights: &[f64], mask: Option<&[bool]>, top_k: Option<usize>) -> Scores {
+    /// Reads only (`&self`): scores run without the GIL beside each other (py_index.rs `Shared`).
+    pub fn score(&self, queries: &[Query], weights: &[f64], mask: Option<&[bool]>, top_k: Option<usize>) -> Scores {
         let nw = self.workers.len();
         let nwm = self.wm_worker.len();
         let mut out = Scores::default();
@@ -690,7 +701,13 @@ impl Index {
             return out;
         }
         let mut hits: Vec<u32> = (0..nw as u32).filter(|&w| best_run[w as usize] > 0).collect();
-        let nr = self.name_ranks().to_vec();
+        let stale;
+        let nr: &[u32] = if self.name_rank.len() == self.workers.len() {
+            &self.name_rank
+        } else {
+            stale = self.name_order();
+            &stale
+        };
         let cmp = |a: &u32, b: &u32| {
             let (a, b) = (*a as usize, *b as usize);
             best_score[b]

@@ -498,7 +498,7 @@ pub fn score_trusted<'py>(
     as_json: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let untrusted = PyList::new(py, fence.borrow().fence.untrusted_workers())?;
-    index.borrow_mut().score(py, queries, None, None, Some(untrusted.as_any()), top_k, as_json)
+    PyIndex::score(index, py, queries, None, None, Some(untrusted.as_any()), top_k, as_json)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -5,6 +5,10 @@
 //! little-endian machine words (numpy reads them without a copy) and buffers
 //! (array('I'), numpy, bytes) are read in place.
 
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -153,9 +157,96 @@ pub(crate) fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
         .collect()
 }
 
+/// The index, shared between its writers and scores that run without the GIL.
+///
+/// How a reader sees a whole record or none: every write reaches the index through
+/// `&mut PyIndex` (pyo3's exclusive borrow, which any other borrow of the object
+/// excludes), and applies a record whole inside one such call. A score registers as a
+/// reader while it holds a *shared* borrow under the GIL (so no write is in progress),
+/// then drops the borrow, releases the GIL and walks the index through this `Arc`. A
+/// writer's first `DerefMut` waits until the registered readers are done; no new reader
+/// can register while it holds its exclusive borrow. So a score sees the index as it was
+/// between two write calls, and several scores run at once, beside ingest's Python work.
+/// The index lives behind the `Arc` (not inline in the Python object) so a writer's
+/// `&mut PyIndex` never covers memory a detached reader is reading.
+pub struct Shared(Arc<SharedInner>);
+
+struct SharedInner {
+    ix: UnsafeCell<Index>,
+    readers: AtomicUsize,
+    idle: Mutex<()>,
+    done: Condvar,
+}
+
+// SAFETY: `ix` is read by many threads only while no `&mut` to it exists (readers are
+// registered under a shared borrow of the PyIndex and writers wait for them to finish,
+// see `Shared`), and written only through `DerefMut`, which waits for the readers.
+unsafe impl Sync for SharedInner {}
+
+impl Shared {
+    pub fn new(ix: Index) -> Self {
+        Shared(Arc::new(SharedInner {
+            ix: UnsafeCell::new(ix),
+            readers: AtomicUsize::new(0),
+            idle: Mutex::new(()),
+            done: Condvar::new(),
+        }))
+    }
+
+    /// Register a reader; only under a shared borrow of the PyIndex (so no writer is
+    /// inside a call). The guard may then cross into `Python::detach`.
+    fn read(&self) -> ReadGuard {
+        self.0.readers.fetch_add(1, Ordering::SeqCst);
+        ReadGuard(Arc::clone(&self.0))
+    }
+}
+
+impl std::ops::Deref for Shared {
+    type Target = Index;
+    fn deref(&self) -> &Index {
+        // SAFETY: `&Shared` comes from a borrow of the PyIndex; a writer needs the exclusive
+        // one, so only readers exist now.
+        unsafe { &*self.0.ix.get() }
+    }
+}
+
+impl std::ops::DerefMut for Shared {
+    fn deref_mut(&mut self) -> &mut Index {
+        let inner = &*self.0;
+        if inner.readers.load(Ordering::SeqCst) != 0 {
+            let mut g = inner.idle.lock().unwrap_or_else(|e| e.into_inner());
+            while inner.readers.load(Ordering::SeqCst) != 0 {
+                g = inner.done.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        // SAFETY: no reader is registered, and none can register while `&mut self` (the
+        // exclusive borrow of the PyIndex) lives, which bounds the returned reference.
+        unsafe { &mut *inner.ix.get() }
+    }
+}
+
+/// A registered reader: the index, read-only, with or without the GIL.
+struct ReadGuard(Arc<SharedInner>);
+
+impl ReadGuard {
+    fn index(&self) -> &Index {
+        // SAFETY: while this guard lives, writers wait in `DerefMut` (see `Shared`).
+        unsafe { &*self.0.ix.get() }
+    }
+}
+
+impl Drop for ReadGuard {
+    fn drop(&mut self) {
+        if self.0.readers.fetch_sub(1, Ordering::SeqCst) == 1 {
+            let _g = self.0.idle.lock().unwrap_or_else(|e| e.into_inner());
+            self.0.done.notify_all();
+        }
+    }
+}
+
 #[pyclass(module = "kvwire._core", name = "Index")]
 pub struct PyIndex {
-    pub ix: Index,
+    pub ix: Shared,
     weights: std::collections::HashMap<String, f64>,
     default_weight: f64,
 }
@@ -281,7 +372,7 @@ impl PyIndex {
         if capacity > 0 {
             ix.s.reserve(capacity);
         }
-        PyIndex { ix, weights, default_weight }
+        PyIndex { ix: Shared::new(ix), weights, default_weight }
     }
 
     /// Apply one rank's events: (status, blocks, event, message) with status
@@ -322,11 +413,11 @@ impl PyIndex {
 
     /// Score queries, each ("t", tokens buffer, block_size, ctx bytes | None, lora)
     /// or ("k", keys bytes, tokens per key); returns `scores_tuple` arrays,
-    /// or the JSON list when `as_json`.
+    /// or the JSON list when `as_json`. The walk runs without the GIL (see `Shared`).
     #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
     #[allow(clippy::too_many_arguments)]
     pub fn score<'py>(
-        &mut self,
+        slf: &Bound<'py, Self>,
         py: Python<'py>,
         queries: &Bound<'py, PyList>,
         weights: Option<&Bound<'py, PyDict>>,
@@ -335,18 +426,6 @@ impl PyIndex {
         top_k: Option<usize>,
         as_json: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let wts = self.weights_for(weights)?;
-        let mut mask = match workers {
-            Some(w) => Some(self.mask(w, true)?),
-            None => None,
-        };
-        if let Some(x) = exclude {
-            let ex = self.mask(x, false)?;
-            mask = Some(match mask {
-                Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
-                None => ex,
-            });
-        }
         let mut bufs = vec![];
         let mut ctxs: Vec<Option<Vec<u64>>> = vec![];
         let mut meta = vec![];
@@ -375,16 +454,46 @@ impl PyIndex {
                 let ctx = match &ctxs[i] {
                     Some(c) if c.len() > 1 => Ctx::PerBlock(c),
                     Some(c) => Ctx::One(c[0]),
-                    None => Ctx::One(self.ix.context(*n, lora.as_deref())),
+                    None => Ctx::One(keys::context_seed(*n, lora.as_deref())),
                 };
                 qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: *n as usize, ctx });
             } else {
                 qs.push(Query::Keys { keys: ctxs[i].as_ref().unwrap(), scale: *n });
             }
         }
-        let s = self.ix.score(&qs, &wts, mask.as_deref(), top_k);
-        if as_json {
-            return Ok(PyBytes::new(py, scores_json(&self.ix, &s).as_bytes()).into_any());
+        // Weights, mask and the reader registration in one GIL-held step: they see the
+        // same index the walk will.
+        let (wts, mask, reader) = {
+            let this = loop {
+                match slf.try_borrow() {
+                    Ok(b) => break b,
+                    // A writer holds the index across Python code (never expected): let it finish.
+                    Err(_) => py.detach(std::thread::yield_now),
+                }
+            };
+            let wts = this.weights_for(weights)?;
+            let mut mask = match workers {
+                Some(w) => Some(this.mask(w, true)?),
+                None => None,
+            };
+            if let Some(x) = exclude {
+                let ex = this.mask(x, false)?;
+                mask = Some(match mask {
+                    Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
+                    None => ex,
+                });
+            }
+            (wts, mask, this.ix.read())
+        };
+        let (s, json) = py.detach(move || {
+            let ix = reader.index();
+            let s = ix.score(&qs, &wts, mask.as_deref(), top_k);
+            let json = if as_json { Some(scores_json(ix, &s)) } else { None };
+            (s, json)
+            // `reader` drops here, before the GIL is taken back: a waiting writer goes on.
+        });
+        if let Some(j) = json {
+            return Ok(PyBytes::new(py, j.as_bytes()).into_any());
         }
         Ok(scores_tuple(py, &s)?.into_any())
     }
