@@ -3,14 +3,17 @@
 A topic is pre-filled with encoded EventBatches (the index_memory workload: 256 workers,
 8k-token conversations over 16 shared system prompts, BlockStored events of 16 blocks,
 ``--events-per-record`` of them per record, zstd like the publisher), then one process reads
-it with a real ``AIOKafkaConsumer`` and feeds every record to ``Applier.apply_record`` —
-decode, fence, index, exactly the live-ingest path. The same records are then pushed through
-each stage alone, in-process, to show where the time goes:
+it with a real ``AIOKafkaConsumer`` and feeds each poll to ``Applier.apply_records`` — one
+core call per slice that decodes, fences and applies, exactly the live-ingest path. The same
+records are then pushed through each stage alone, in-process, to show where the time goes:
 
 - ``kafka_fetch_only``: the consumer loop without applying (fetch + decompress + record objects);
-- ``decode_only``: ``codec.decode`` of every value;
-- ``fence_and_index``: ``Applier.apply_batch`` of pre-decoded batches (rank fencing + index);
-- ``index_only``: ``PrefixIndex.store`` of every event.
+- ``core_pipeline`` (``apply_core_blocks_per_s``): pre-fetched record bytes through the core's
+  ``apply_poll`` in one call: fast decode, fence, index;
+- ``applier_slices``: the same through ``Applier.apply_records`` (time-budgeted slices, metrics, Python);
+- ``decode_only``: ``codec.decode`` (fastavro, the reference/fallback decoder) of every value;
+- ``fence_and_index``: ``Applier.apply_batch`` of pre-decoded batches (the fallback entry point);
+- ``index_only``: ``PrefixIndex.apply_batch`` of every record's events.
 
     python -m bench.apply_rate [--quick] [--blocks N]
 
@@ -25,6 +28,7 @@ import gc
 import time
 import uuid
 
+from kvwire import _core
 from kvwire.schemas import codec
 from kvwire.schemas.events import EventBatch
 
@@ -105,9 +109,10 @@ async def consume(bootstrap: str, topic: str, n: int, applier=None) -> float:
             batches = await c.getmany(timeout_ms=1000, max_records=2000)
             for tp, recs in batches.items():
                 if applier is not None:
-                    ap = applier.apply_record
-                    for r in recs:
-                        ap(tp.topic, tp.partition, r.offset, r.key, r.value, r.timestamp)
+                    i = 0
+                    while i < len(recs):
+                        i = applier.apply_records(tp.topic, tp.partition, recs, i)
+                        await asyncio.sleep(0)
                 got += len(recs)
         return time.perf_counter() - t0
     finally:
@@ -134,12 +139,6 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
     nblocks = sum(b.block_count() for b in batches)
     topic = f"bench-apply-{uuid.uuid4().hex[:8]}"
 
-    # Warm the jitted kernels (numba compiles or loads its cache on first call) outside the timings.
-    warm = Applier()
-    for b in batches[: min(len(batches), 300)]:
-        warm.apply_batch(b)
-    del warm
-
     fill_s = asyncio.run(fill(bootstrap, topic, records))
     fetch_s = asyncio.run(consume(bootstrap, topic, len(records)))
     a = Applier()
@@ -149,6 +148,33 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
     del a
 
     decode_s = _timed(lambda: [codec.decode(v) for v in values])
+
+    def core_pipeline():
+        ap = Applier()
+        i = 0
+        now = time.time_ns() // 1000
+        while i < len(values):
+            i, declined, *_ = _core.apply_poll(ap.index.core, ap.ranks.core, values, i, 10**12, now)
+            assert not declined
+        assert ap.index.entries() > 0
+
+    core_s = _timed(core_pipeline)
+
+    class _R:
+        __slots__ = ("key", "offset", "timestamp", "value")
+
+        def __init__(self, off: int, value: bytes):
+            self.offset, self.key, self.value, self.timestamp = off, None, value, 0
+
+    recs = [_R(i, v) for i, v in enumerate(values)]
+
+    def applier_slices():
+        ap = Applier()
+        i = 0
+        while i < len(recs):
+            i = ap.apply_records("t", 0, recs, i)
+
+    slices_s = _timed(applier_slices)
 
     def fence_index():
         ap = Applier()
@@ -161,11 +187,8 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
 
     def index_only():
         ix = PrefixIndex()
-        st = ix.store
         for b in batches:
-            w = b.worker
-            for e in b.events:
-                st(w, e)
+            ix.apply_batch(b.worker, b.events)
 
     index_s = _timed(index_only)
     rate = lambda s: round(nblocks / s) if s > 0 else None
@@ -185,14 +208,18 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
         "fill_s": round(fill_s, 3),
         "apply_blocks_per_s": rate(e2e_s),
         "apply_records_per_s": round(len(records) / e2e_s),
+        "apply_core_blocks_per_s": rate(core_s),
         "stages_blocks_per_s": {
             "kafka_fetch_only": rate(fetch_s),
+            "core_pipeline": rate(core_s),
+            "applier_slices": rate(slices_s),
             "decode_only": rate(decode_s),
             "fence_and_index": rate(fence_s),
             "index_only": rate(index_s),
         },
         "stages_us_per_record": {
             "kafka_fetch": round(fetch_s / len(records) * 1e6, 2),
+            "core_pipeline": round(core_s / len(records) * 1e6, 2),
             "decode": round(decode_s / len(records) * 1e6, 2),
             "fence": round(max(0.0, fence_s - index_s) / len(records) * 1e6, 2),
             "index": round(index_s / len(records) * 1e6, 2),

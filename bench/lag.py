@@ -155,25 +155,17 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
             self.append_ms.append(self.record_ts_ms)
 
     class StampingApplier(Applier):
+        # The core reports one lag per slice, its oldest record's: stamp that record's append time.
+        def apply_records(self, topic, partition, recs, start=0, **kw):
+            if start < len(recs):
+                self.metrics.record_ts_ms = recs[start].timestamp
+            return super().apply_records(topic, partition, recs, start, **kw)
+
         def apply_record(self, topic, partition, offset, key, value, timestamp_ms):
             self.metrics.record_ts_ms = timestamp_ms
             return super().apply_record(topic, partition, offset, key, value, timestamp_ms)
 
-    def warm() -> None:
-        # Load every jitted kernel now: a fresh process pays ~0.1-0.5 s on the first store,
-        # remove and score (numba cache load), which would land on the first records' lag.
-        from kvwire.consumer.index import PrefixIndex
-        from kvwire.schemas.events import BlockRemoved, WorkerId, stored
-
-        ix, w = PrefixIndex(), WorkerId("warm", 0)
-        ix.store(w, stored([1, 2], range(32), 16, medium="GPU"))
-        ix.store(w, stored([3], range(32, 48), 16, parent_block_hash=2, medium="GPU"))
-        ix.score(list(range(48)))
-        ix.remove(w, BlockRemoved((1, 2, 3), medium="GPU"))
-        ix.clear(w)
-
     async def main() -> None:
-        warm()
         m = Recording()
         member = IndexMember(
             IngestConfig(bootstrap_servers=bootstrap, topic=topic, fetch_max_wait_ms=fetch_max_wait_ms),

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import tempfile
@@ -35,7 +34,7 @@ from array import array
 
 import numpy as np
 
-from .common import RESULTS, write_result
+from .common import write_result
 
 BS = 16
 EV_BLOCKS = 64
@@ -208,12 +207,8 @@ def main(argv=None) -> None:
     out: dict = {
         "workload": {"workers": N_WORKERS, "block_size": BS, "blocks_per_event": EV_BLOCKS, "partitions": PARTITIONS}
     }
-    # --quick refreshes 1M and keeps a 10M result a full run left behind.
-    try:
-        prev = json.loads((RESULTS / "replay.json").read_text())
-        out.update({k: v for k, v in prev.items() if k.endswith("M") and isinstance(v, dict)})
-    except (OSError, ValueError):
-        pass
+    # Only sizes measured now: a --quick run never presents an older run's 10M row as its own.
+    out["mode"] = "quick" if args.quick else "full"
     with tempfile.TemporaryDirectory(prefix="kvwire-bench-replay-") as tmp:
         for n in sizes:
             out[f"{n // 1_000_000}M"] = asyncio.run(run_size(args.bootstrap_servers, n, tmp))

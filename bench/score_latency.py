@@ -5,17 +5,27 @@ Index: bench.index_memory's workload (256 workers, 8k-token conversations over 1
 1k, 8k and 32k tokens, three kinds interleaved: a stored conversation (long hit on one
 worker, its system prompt on ~16 others), a system prompt followed by new text, and a miss.
 
-Per query, four timings:
+Per query, timings (each mode warmed on its own queries first, so doing less work cannot
+measure slower):
 
-- ``with_hashing``: ``PrefixIndex.score(tokens)`` — what a router calls;
-- ``without_hashing``: ``score_keys(prompt_keys(tokens))`` with the keys precomputed (a router
-  that caches a conversation's keys; SGLang SMG's published figures exclude hashing too);
-- ``hashing_only``: ``prompt_keys(tokens)``;
-- ``scan_only``: the jitted table walk alone, no result objects (private ``_run``; null when
-  the index no longer has it), so ``without_hashing - scan_only`` is result building.
+- ``top16``: ``PrefixIndex.score_arrays(tokens, top_k=16)`` — hashing, walk, ordering in the
+  core, arrays back (``score_p99_us_8k_tokens``);
+- ``all_workers``: ``score_arrays(tokens)``, every matched worker (``..._all_workers``);
+- ``json_top16``: ``score_json(tokens, top_k=16)``, the bytes ``/v1/score`` sends;
+- ``with_hashing``: ``score(tokens)``, typed ``WorkerScore`` objects for every matched worker;
+- ``without_hashing``: ``score_keys_arrays(prompt_keys(tokens), top_k=16)``: ``top16`` minus
+  the hashing (``..._no_hashing``; SGLang SMG's published figures exclude hashing too);
+- ``hashing_only``: ``prompt_keys(tokens)``.
 
 Each is reported as wall-clock percentiles and, under ``cpu_time``, as on-CPU percentiles
 (``thread_time_ns``): the difference is time the query spent preempted.
+
+``under_ingest`` (largest size, 8k tokens, top 16): one asyncio loop applies pre-encoded
+records through ``Applier.apply_records`` paced at ~1M blocks/s (the live-ingest slices) while
+queries arrive on a schedule; latency is from a query's scheduled arrival to its answer, so it
+includes waiting for the apply slice in progress. ``first_score``: a fresh interpreter imports
+kvwire, builds an empty member state (ready), applies its first record and answers its first
+score; milliseconds after ready.
 
     python -m bench.score_latency [--quick] [--queries N]
 
@@ -25,6 +35,7 @@ Writes bench/results/score_latency.json.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import time
 
@@ -57,21 +68,6 @@ def queries(wl: Workload, tokens: int, n: int, seed: int = 1) -> list[np.ndarray
     return out
 
 
-def _scan_fn(ix):
-    """The table walk alone through PrefixIndex internals; None when they moved."""
-    try:
-        from kvwire.consumer import index as I
-
-        wmask, warr = ix._query_args(None, None)
-        no_tok, no_ctx = I._NO_TOKENS, I._NO_CTX
-        run = ix._run
-        f = lambda keys: run(no_tok, 0, keys.shape[0], no_ctx, keys, wmask, warr, scale=BS)
-        f(prompt_keys(np.zeros(BS * 4, np.uint32), BS))
-        return f
-    except Exception:
-        return None
-
-
 def _time(fn, items) -> tuple[list[float], list[float]]:
     """Wall and on-CPU microseconds per call: on a shared machine the wall-clock tail is mostly
     the scheduler (a preempted query waits a whole time slice); CPU time shows the query's own."""
@@ -89,36 +85,136 @@ def _time(fn, items) -> tuple[list[float], list[float]]:
 
 def measure(ix, wl: Workload, n: int) -> dict:
     res = {}
-    scan = _scan_fn(ix)
     for tokens in PROMPT_TOKENS:
         qs = queries(wl, tokens, n)
         keys = [prompt_keys(q, BS) for q in qs]
-        for q in qs[:20]:  # warm caches and any lazy compilation
-            ix.score(q)
         gc.collect()
         row = {"cpu_time": {}}
         modes = [
+            ("top16", lambda q: ix.score_arrays(q, top_k=16), qs),
+            ("all_workers", ix.score_arrays, qs),
+            ("json_top16", lambda q: ix.score_json(q, top_k=16), qs),
             ("with_hashing", ix.score, qs),
-            ("without_hashing", lambda k: ix.score_keys(k, BS), keys),
+            ("without_hashing", lambda k: ix.score_keys_arrays(k, BS, top_k=16), keys),
             ("hashing_only", lambda q: prompt_keys(q, BS), qs),
         ]
-        if scan is not None:
-            modes.append(("scan_only", scan, keys))
         for name, fn, items in modes:
+            for it in items[:30]:  # warm this mode's own path (caches, allocator)
+                fn(it)
             wall, oncpu = _time(fn, items)
             row[name] = {k: round(v, 2) for k, v in percentiles(wall, PS).items()}
             row["cpu_time"][name] = {k: round(v, 2) for k, v in percentiles(oncpu, PS).items()}
-            if name in ("with_hashing", "without_hashing"):  # the mix hides that misses are cheap
+            if name in ("top16", "with_hashing", "without_hashing"):  # the mix hides that misses are cheap
                 row.setdefault("p50_by_kind", {})[name] = {
                     kind: percentiles(wall[i::3], (50,))["p50"] and round(percentiles(wall[i::3], (50,))["p50"], 2)
                     for i, kind in enumerate(("stored_conversation", "system_prompt_then_new", "miss"))
                 }
-        if scan is None:
-            row["scan_only"] = None
         hits = [len(ix.score(q)) for q in qs[:30]]
         row["workers_matched_per_query"] = {"max": max(hits), "mean": round(sum(hits) / len(hits), 1)}
         res[f"{tokens // 1024}k"] = row
     return res
+
+
+def under_ingest(ix, wl: Workload, n: int, blocks_per_s: float = 1e6, seconds: float | None = None) -> dict:
+    """Score latency while the same loop applies records at ``blocks_per_s`` (see the docstring)."""
+    from kvwire.consumer.apply import Applier
+
+    from .apply_rate import make_records
+
+    a = Applier(index=ix)
+    seconds = seconds or max(0.5, n / 1000)
+    recs_kv = make_records(int(blocks_per_s * seconds), 2, seed=7)
+    # Other workers than the index's own (fresh ranks, reset records): pure additions.
+    values = [v for _, v in recs_kv]
+
+    class _R:
+        __slots__ = ("key", "offset", "timestamp", "value")
+
+        def __init__(self, off: int, value: bytes):
+            self.offset, self.key, self.value, self.timestamp = off, None, value, 0
+
+    recs = [_R(i, v) for i, v in enumerate(values)]
+    per_rec = codec_blocks(values[0])
+    qs = queries(wl, 8192, n, seed=9)
+    for q in qs[:30]:
+        a.score_json(q, top_k=16)
+    lat: list[float] = []
+    applied = [0]
+
+    async def ingest() -> None:
+        t0 = time.perf_counter()
+        i = 0
+        while i < len(recs):
+            due = t0 + i * per_rec / blocks_per_s
+            now = time.perf_counter()
+            if now < due:
+                await asyncio.sleep(due - now)
+            i = a.apply_records("bench", 0, recs, i)
+            applied[0] = i
+            await asyncio.sleep(0)
+
+    async def query() -> None:
+        t0 = time.perf_counter()
+        gap = seconds / n
+        for k, q in enumerate(qs):
+            due = t0 + k * gap
+            now = time.perf_counter()
+            if now < due:
+                await asyncio.sleep(due - now)
+            a.score_json(q, top_k=16)
+            lat.append((time.perf_counter() - max(due, t0)) * 1e6)
+
+    async def both() -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(ingest(), query())
+        return time.perf_counter() - t0
+
+    wall = asyncio.run(both())
+    return {
+        "offered_blocks_per_s": blocks_per_s,
+        "applied_blocks_per_s": round(applied[0] * per_rec / wall),
+        "queries": len(lat),
+        "latency_us": {k: round(v, 2) for k, v in percentiles(lat, PS).items()},
+        "slice_budget_us": __import__("kvwire.consumer.apply", fromlist=["x"]).APPLY_BUDGET_US,
+    }
+
+
+def codec_blocks(value: bytes) -> int:
+    from kvwire.schemas import codec
+
+    return codec.decode(value).block_count()
+
+
+_FIRST = """
+import time, json, sys
+t_import = time.perf_counter()
+from kvwire.consumer.apply import Applier
+from kvwire.schemas import codec
+from kvwire.schemas.events import EventBatch, WorkerId, stored
+rec = codec.encode(EventBatch(WorkerId("w"), 1, 0, 0, (stored(list(range(1, 513)), list(range(8192)), 16),), reset=True))
+q = list(range(8192))
+class R:
+    offset, key, value, timestamp = 0, None, rec, 0
+t_ready = time.perf_counter()
+a = Applier()  # an empty member, ready to serve
+a.apply_records("t", 0, [R()], 0)
+t_apply = time.perf_counter()
+body = a.score_json(q, top_k=16)
+t_score = time.perf_counter()
+assert b'"matched_tokens":8192' in body, body
+print(json.dumps({"import_s": round(t_ready - t_import, 3), "first_apply_ms": round((t_apply - t_ready) * 1e3, 3),
+                  "first_score_ms": round((t_score - t_apply) * 1e3, 3),
+                  "first_score_ms_after_ready": round((t_score - t_ready) * 1e3, 3)}))
+"""
+
+
+def first_score() -> dict:
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", _FIRST], capture_output=True, text=True, check=True, timeout=120)
+    return json.loads(p.stdout.strip().splitlines()[-1])
 
 
 def run(sizes, n: int) -> dict:
@@ -145,10 +241,16 @@ def run(sizes, n: int) -> dict:
         for t in PROMPT_TOKENS:
             r = row[f"{t // 1024}k"]
             print(
-                f"{label:>5} {t:>6} tokens: with hashing p50 {r['with_hashing']['p50']:>8} p99 {r['with_hashing']['p99']:>9} | "
-                f"without p50 {r['without_hashing']['p50']:>8} p99 {r['without_hashing']['p99']:>9} us"
+                f"{label:>5} {t:>6} tokens: top16 p50 {r['top16']['p50']:>8} p99 {r['top16']['p99']:>9} | "
+                f"all p99 {r['all_workers']['p99']:>9} | typed p99 {r['with_hashing']['p99']:>9} | "
+                f"no hashing p99 {r['without_hashing']['p99']:>9} us"
             )
+        if target == max(sizes):
+            row["under_ingest"] = under_ingest(ix, wl, n)
+            print(f"{label:>5} under ingest: {row['under_ingest']}")
         del ix, wl
+    out["first_score"] = first_score()
+    print("first score:", out["first_score"])
     return out
 
 

@@ -48,8 +48,9 @@ def check_batch(batch: EventBatch) -> None:
             )
 
 
-# How long one core call may hold the event loop: heartbeats and HTTP readers run between slices.
-APPLY_BUDGET_US = 2000
+# How long one core call may hold the event loop: heartbeats and HTTP readers run between
+# slices, so this bounds how long a query waits behind ingest (~1,000 blocks per slice).
+APPLY_BUDGET_US = 200
 
 
 class _Record(Protocol):

@@ -290,6 +290,11 @@ class PrefixIndex:
             _arrays(self.core.score([("k", k, block_size)], _wdict(weights), _wlist(workers), None, top_k))
         )
 
+    def score_keys_arrays(self, keys: np.ndarray, block_size: int, top_k: int | None = None) -> ScoreArrays:
+        """``score_keys`` as arrays (the fast path without hashing)."""
+        k = np.ascontiguousarray(keys, np.uint64)
+        return _arrays(self.core.score([("k", k, block_size)], None, None, None, top_k))
+
     def score_engine_hashes(
         self,
         hashes: Iterable[Any],
