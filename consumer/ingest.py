@@ -390,7 +390,10 @@ class IndexMember:
                 await self._flush_and_commit()
             except Exception as e:
                 log.warning("commit failed, will retry: %r", e)
-            self._update_gauges()
+            try:
+                self._update_gauges()
+            except Exception as e:  # a gauge is not worth the ingest task
+                log.warning("metrics update failed: %r", e)
 
     async def _flush_and_commit(self, force: bool = False) -> None:
         dead = self.applier.take_dead_letters()
@@ -448,7 +451,11 @@ class IndexMember:
         known = self.applier.ranks.known_workers()
         m.workers.labels("true").set(len(known - untrusted))
         m.workers.labels("false").set(len(untrusted & known))
+        # During an eager rebalance aiokafka has already dropped the partitions we keep in
+        # self.assigned until the new assignment is known, and its highwater() asserts on them.
+        held = self._consumer.assignment()
         for p in self.assigned:
-            hw = self._consumer.highwater(TopicPartition(self.config.topic, p))
+            tp = TopicPartition(self.config.topic, p)
+            hw = self._consumer.highwater(tp) if tp in held else None
             if hw is not None:
                 m.consumer_lag.labels(str(p)).set(max(0, hw - self.applier.positions.get(p, 0)))
