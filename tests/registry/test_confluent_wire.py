@@ -243,3 +243,32 @@ async def test_a_topic_in_both_framings_replays_to_the_same_digest(kafka_bootstr
     for line, (_, v) in zip(lines, mixed_values, strict=True):
         assert line["framing"] == codec.framing(v) and line["schema_id"] == codec.confluent_id(v)
         assert line["batch"]["seq"] == codec.decode(v).seq
+
+
+def test_a_centrally_registered_producer_only_looks_its_id_up(kafka_bootstrap, new_topic, schema_registry):
+    # The platform team registered the versions (kvwire schemas --register); producers must not
+    # add versions, only frame with the id the registry already holds for theirs.
+    topic = new_topic(partitions=1)
+    client = _client(schema_registry)
+    ids = dict(register_shipped(client, topic_subject(topic)))
+    versions_before = client.versions(topic_subject(topic))
+    pub = KafkaPublisher(
+        PublisherConfig(
+            bootstrap_servers=kafka_bootstrap,
+            topic=topic,
+            partitions=1,
+            heartbeat_interval_s=3600.0,
+            framing="confluent",
+            schema_registry_url=schema_registry,
+            auto_register_schema=False,
+        )
+    )
+    try:
+        assert pub.stream(WorkerId("central"), "simulator").publish((AllBlocksCleared(),))
+    finally:
+        pub.close()
+    records = asyncio.run(read_all(kafka_bootstrap, topic))
+    assert len(records) == 2
+    assert {codec.confluent_id(r.value) for r in records} == {ids[codec.CURRENT.version]}
+    assert dict(records[0].headers)["schema-id"] == str(ids[codec.CURRENT.version]).encode()
+    assert client.versions(topic_subject(topic)) == versions_before
