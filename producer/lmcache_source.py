@@ -159,6 +159,8 @@ class RemovalObserver:
         self.hooked: list[str] = []
         self.unobserved: list[str] = []
         self.hook_errors = 0
+        # Chunks the tier held before the hooks: inserted unseen, so never published.
+        self.held_at_start = 0
         self._undo: list[tuple[Any, str, Any]] = []
         backends = getattr(getattr(engine, "storage_manager", None), "storage_backends", None) or {}
         for name, backend in dict(backends).items():
@@ -168,6 +170,7 @@ class RemovalObserver:
             ):
                 self._hook(backend, policy)
                 self.hooked.append(str(name))
+                self.held_at_start += len(getattr(backend, "hot_cache", None) or ())
             else:
                 self.unobserved.append(str(name))
 
@@ -322,6 +325,10 @@ class LMCacheSource:
         self.errors = 0
         self.gaps = 0
         self._gaps_sent = 0
+        if self.membership is not None and self.observer.held_at_start:
+            # Their store events went by before this source: the index cannot hold them, so the
+            # worker's state is not fully known (the first poll publishes the gap).
+            self._gap(1, f"the engine held {self.observer.held_at_start} chunk(s) before this source started")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

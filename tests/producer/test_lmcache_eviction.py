@@ -138,3 +138,16 @@ def test_failed_publish_distrusts_the_worker(h, engine, kafka_bootstrap, new_top
     finally:
         src.stop()
         pub.close()
+
+
+def test_source_started_after_stores_says_the_state_is_unknown(h, engine, sink):
+    """Chunks inserted before the source existed were never published: a gap, not a silent hole."""
+    torch = h.require("torch")
+    engine.store(torch.arange(3, 67, dtype=torch.long))
+    src = LMCacheSource(engine, sink)
+    try:
+        assert src.observer.held_at_start == 4
+        src.poll_once()
+        assert sink.gaps() == 1 and sink.kinds() == ["gap", "batch"] and sink.events() == []
+    finally:
+        src.stop()
