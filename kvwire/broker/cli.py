@@ -104,15 +104,28 @@ def image(
 def wait(
     bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS"),
     timeout: float = typer.Option(120.0, "--timeout", help="seconds before giving up (exit 1)"),
+    topic: list[str] = typer.Option([], "--topic", help="also make sure this topic exists (repeatable)"),
+    partitions: int = typer.Option(12, "--partitions", help="partitions of a topic created here"),
 ) -> None:
     """Block until the broker answers a metadata round trip: the readiness wait a compose service
-    runs before its command, since healthcheck-gated depends_on needs systemd under podman."""
+    runs before its command, since healthcheck-gated depends_on needs systemd under podman.
+    --topic creates a missing topic (kvwire's replication rules), so a consumer subscribing to it
+    next is assigned its partitions at once instead of at its next metadata refresh."""
+    from kvwire.options import admin_options, client_options_from_env
+
     from . import probe
 
     t0 = time.monotonic()
-    while not probe.answers(bootstrap_servers, 5.0):
+    while not probe.answers(bootstrap_servers, 5.0, **admin_options(client_options_from_env())):
         if time.monotonic() - t0 > timeout:
             typer.echo(f"Kafka at {bootstrap_servers} not ready after {timeout:.0f}s", err=True)
             raise typer.Exit(1)
         time.sleep(0.5)
     typer.echo(f"Kafka at {bootstrap_servers} ready after {time.monotonic() - t0:.1f}s", err=True)
+    if topic:
+        from kvwire.topics import ensure_topics
+
+        have = probe.run_sync(
+            lambda: ensure_topics(bootstrap_servers, list(topic), partitions, client_options=client_options_from_env())
+        )
+        typer.echo(f"topics: {have}", err=True)
