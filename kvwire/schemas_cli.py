@@ -19,6 +19,7 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -65,7 +66,7 @@ def shipped() -> list[ShippedSchema]:
     return sorted(out, key=lambda s: s.version)
 
 
-def fingerprints_doc(schemas: list[ShippedSchema]) -> dict:
+def fingerprints_doc(schemas: list[ShippedSchema]) -> dict[str, Any]:
     return {
         "algorithm": "CRC-64-AVRO",
         "encoding": "Avro single-object: C3 01 + fingerprint (8 bytes, little-endian) + body",
