@@ -287,6 +287,33 @@ def test_engine_that_dies_and_stays_dead(h, kafka_bootstrap, new_topic, ports):
         pipe.close()
 
 
+def test_hung_engine_stops_being_credited(h, kafka_bootstrap, new_topic, ports):
+    """The engine process lives and keeps its sockets open, but its publisher thread no longer
+    answers (a hung engine): no disconnect to see, so the liveness probe must catch it."""
+    engine = Engine(h, *ports)
+    wl = Workload(6)
+    pipe = Pipeline(kafka_bootstrap, new_topic(), *ports, liveness_interval_s=0.5, replay_timeout_s=1.0)
+    release = threading.Event()
+    try:
+        h.wait_for(lambda: pipe.bridge.known, "the bridge to sync")
+        wl.run(engine, 40)
+        engine.wait_sent(h)
+        h.wait_for(lambda: pipe.bridge._expected == engine.batches, "the bridge to see every batch")
+        pipe.catch_up(h)
+        queries = wl.queries(QUERIES)
+        assert pipe.trusted() and compare(pipe, engine, queries) == (0, 0)
+        # vLLM's publisher thread blocks on the next replay request it services.
+        engine.pub._service_replay = lambda: release.wait()
+        h.wait_for(lambda: not pipe.bridge.known, "the bridge to give up on the engine")
+        assert pipe.bridge.stats.disconnects == 0 and pipe.bridge.stats.replay_timeouts >= 1
+        pipe.catch_up(h)
+        assert not pipe.trusted() and compare(pipe, None, queries) == (0, 0)
+    finally:
+        release.set()
+        pipe.close()
+        engine.shutdown()
+
+
 def test_restarted_engine_is_trusted_again_with_its_state(h, kafka_bootstrap, new_topic, ports):
     """A new engine process on the same endpoints, idle after a few requests: exact again."""
     engine = Engine(h, *ports)
