@@ -573,7 +573,7 @@ def _plan_for(
         rec_plans: dict[str, _Plan] = {}
         arr_plan = map_plan = None
         for branch in reader:
-            b = r_names.get(branch, branch) if isinstance(branch, str) else branch
+            b = r_names.get(branch, r_names.get(f"{ns}.{branch}", branch)) if isinstance(branch, str) else branch
             if not isinstance(b, dict):
                 continue
             p = _plan_for(b, ns, r_names, w_fields, seen)
