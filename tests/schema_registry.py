@@ -2,8 +2,9 @@
 
 KVWIRE_SCHEMA_REGISTRY_URL names an existing registry (used, never touched); otherwise the
 session starts kvwire's own local Apicurio Registry (kvwire.registry.local, the same code as
-`kvwire registry start`) and stops it at the end if it started it. Under CI=true a registry that
-cannot be had FAILS the tests that need it. Import the fixture by name into a test module or
+`kvwire registry start`). Like the local Kafka it is left running for the next session on a dev
+box (other sessions may be using it by then); under CI=true the session that started it stops it.
+Under CI=true a registry that cannot be had FAILS the tests that need it. Import the fixture by name into a test module or
 conftest (`from schema_registry import schema_registry`)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from ci_env import need_java_and_mvn, unavailable
+from ci_env import in_ci, need_java_and_mvn, unavailable
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +35,7 @@ def schema_registry() -> Iterator[str]:
     except Exception as e:
         unavailable(f"no schema registry could be started: {e}")
     yield url
-    if started_here:
+    if started_here and in_ci():
         reg.stop()
 
 
