@@ -32,8 +32,10 @@ score equals the one the oracle gives for some prefix of the applied records
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -45,6 +47,7 @@ from .index import WorkerScore
 DEFAULT_TOP_K = 64  # /v1/score's default ``limit``
 _scores = msgspec.json.Decoder(list[WorkerScore])
 T = TypeVar("T")
+_ARRAY_I = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 class Scorer:
@@ -65,6 +68,8 @@ class Scorer:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
+        if isinstance(token_ids, list | tuple) and _ARRAY_I:
+            token_ids = array("I", token_ids)  # read in place by the core; OverflowError outside uint32
         out: bytes = self.applier.score_json(token_ids, lora_name=lora_name, block_size=block_size, top_k=top_k)
         return out
 
