@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import typer
 
 app = typer.Typer(invoke_without_command=True, add_completion=False, help="Run the benchmarks (bench/README.md).")
@@ -27,8 +29,10 @@ def bench(
     raise typer.Exit(main(argv))
 
 
-def _bench_main():
-    """bench/ lives in the checkout, not in the wheel: find it beside the kvwire package's source."""
+def _bench_main() -> Callable[[list[str]], int]:
+    """bench/ lives in the checkout, not in the wheel: find it beside the kvwire package's source.
+    Imported by name because no installed copy of kvwire (or its type checker) can see it."""
+    import importlib
     import sys
     from pathlib import Path
 
@@ -37,6 +41,5 @@ def _bench_main():
         raise typer.BadParameter("kvwire bench runs from a source checkout (bench/ is not installed)")
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    from bench.run import main
-
+    main: Callable[[list[str]], int] = importlib.import_module("bench.run").main
     return main
