@@ -139,6 +139,8 @@ pub struct Index {
     pub wm_worker: Vec<u32>,
     pub wm_medium: Vec<u32>,
     rm_ids: HashMap<(u32, i64, u32), u32>,
+    /// rm -> its worker (the score walk's one lookup per holder slot).
+    rm_w: Vec<u32>,
     pub hd: Holders,
     pub s: STable,
     pub block_sizes: BTreeSet<i64>,
@@ -269,6 +271,7 @@ impl Index {
                 }
                 self.rm_ids.insert((w, rank.tp_rank, mid), rm);
                 self.hd.rm_wm.push(wm);
+                self.rm_w.push(w);
                 rm
             }
         };
@@ -617,6 +620,13 @@ impl Index {
         let mut cnt = vec![0u32; nwm];
         let mut bestw = vec![-1f64; nw];
         let mut touched: Vec<u32> = Vec::with_capacity(64);
+        // One flag per worker whatever the mask's length (unchecked reads below rely on it).
+        let mut ok = vec![true; nw];
+        if let Some(m) = mask {
+            for (o, &k) in ok.iter_mut().zip(m) {
+                *o = k;
+            }
+        }
         let mut wtouched: Vec<u32> = Vec::with_capacity(64);
         let mut hit_any = false;
         for q in queries {
@@ -637,16 +647,19 @@ impl Index {
                     Query::Keys { keys, .. } => keys[i],
                 };
                 touched.clear();
-                let hd = &self.hd;
-                let wm_worker = &self.wm_worker;
-                self.s.holders(key, |rm| {
-                    let wm = hd.rm_wm[rm as usize];
-                    let w = wm_worker[wm as usize] as usize;
-                    if run_w[w] as usize == i && mask.is_none_or(|m| m[w]) {
-                        if cnt[wm as usize] == 0 {
+                let rm_wm = &self.hd.rm_wm;
+                let rm_w = &self.rm_w;
+                let iu = i as u32;
+                // SAFETY: rm ids in S index rm_wm / rm_w; wm ids index cnt; worker ids index run_w / ok.
+                self.s.holders_fast(key, |rm| unsafe {
+                    let w = *rm_w.get_unchecked(rm) as usize;
+                    if *run_w.get_unchecked(w) == iu && *ok.get_unchecked(w) {
+                        let wm = *rm_wm.get_unchecked(rm);
+                        let c = cnt.get_unchecked_mut(wm as usize);
+                        if *c == 0 {
                             touched.push(wm);
                         }
-                        cnt[wm as usize] += 1;
+                        *c += 1;
                     }
                 });
                 wtouched.clear();

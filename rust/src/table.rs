@@ -496,6 +496,33 @@ impl STable {
         }
     }
 
+    /// Holders of `key` for the score walk: `f(rm)` for each slot of the key,
+    /// without bounds checks (the walk visits every holder of every matched block).
+    #[inline(always)]
+    pub fn holders_fast(&self, key: u64, mut f: impl FnMut(usize)) {
+        let h = mix(key);
+        let s = &self.shards[s_shard(h)];
+        let cap = s.key.len();
+        let (keys, metas) = (s.key.as_ptr(), s.meta.as_ptr());
+        let mut j = home(h, cap);
+        // SAFETY: j < cap == key.len() == meta.len(), and the table always has an empty slot.
+        unsafe {
+            loop {
+                let m = *metas.add(j);
+                if m == 0 {
+                    break;
+                }
+                if *keys.add(j) == key {
+                    f(((m >> CNT_BITS) - 1) as usize);
+                }
+                j += 1;
+                if j == cap {
+                    j = 0;
+                }
+            }
+        }
+    }
+
     /// Holders of `key`: calls `f(rm)` for each slot of the key.
     #[inline]
     pub fn holders(&self, key: u64, mut f: impl FnMut(u32)) {
