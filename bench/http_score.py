@@ -263,7 +263,7 @@ def run_member(a: argparse.Namespace, http_workers: int, qdir: str, wrk: str) ->
         "--ingest-rate",
         str(a.ingest_rate),
         "--ingest-seconds",
-        str(a.seconds * 3 + 30),
+        str(a.seconds * 4 + 10),
         "--queries-dir",
         qdir,
         "--n-queries",

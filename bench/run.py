@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,6 +42,10 @@ SUMMARY_KEYS = (
     "codec_decode_speedup_vs_json",
     "replay_blocks_per_s",
     "cold_start_s_per_million_blocks",
+    "http_score_rps_c32",
+    "http_score_p99_ms_c32",
+    "http_score_p50_us_c1",
+    "http_score_rps_c32_json",
     "notes",
 )
 
@@ -67,6 +72,10 @@ def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
         ),
         ("lag", ["-m", "bench.lag", *b, *(["--rates", "200", "400", "--seconds", "1"] if tiny else q)], 900),
     ]
+    if not tiny or shutil.which("wrk"):
+        # wrk (apt-get install -y wrk) is its load generator; the smoke run skips the step without it.
+        hs = ["--holder-blocks", "30000", "--seconds", "1", "--n-queries", "8", "--workers", "1"] if tiny else q
+        out.append(("http_score", ["-m", "bench.http_score", *hs], 1800))
     if importlib.util.find_spec("bench.replay") is not None:
         # bench/replay.py has no size option below --quick's 1M; the smoke run drives one tiny size.
         smoke = (
@@ -241,6 +250,20 @@ def summarize(res: dict, errors: dict) -> dict:
             notes[k] = "null: bench/replay.py is not in the tree yet (another engineer is writing it)"
     else:
         missing(rk, "replay")
+    hs = res.get("http_score")
+    hk = ("http_score_rps_c32", "http_score_p99_ms_c32", "http_score_p50_us_c1", "http_score_rps_c32_json")
+    if hs:
+        for k in hk:
+            s[k] = hs.get(k)
+        p = hs["params"]
+        notes["http_score"] = (
+            f"wrk (own process) against a member process with {p['holder_blocks']:,} holder-blocks, "
+            f"{p['query_tokens']}-token queries, ingest at {p['ingest_rate_blocks_per_s']:,.0f} blocks/s; binary c32 "
+            f"best with {hs.get('http_score_rps_c32_http_workers')} HTTP worker(s); load average at end "
+            f"{hs.get('loadavg_end')} on {p['cpus']} CPUs (bench/results/http_score.json has each run's)"
+        )
+    else:
+        missing(hk, "http_score")
     for step, err in errors.items():
         notes.setdefault(f"error_{step}", err)
     s["notes"] = notes
