@@ -16,6 +16,7 @@ import random
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Any
 
 import typer
 
@@ -125,7 +126,7 @@ async def _run(
             bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=2, client_options=opts
         )
     )
-    streams = {}
+    streams: dict[Any, Any] = {}
     sim = Simulator(
         SimConfig(workers=n_workers, tp_size=tp_size, capacity_blocks=capacity, seed=seed, p_clear=0.0, p_restart=0.0),
         lambda rank, evs: streams[rank].publish(evs),

@@ -58,7 +58,7 @@ def kvwire_options(extra_config: dict | None) -> dict:
     return opts
 
 
-def resolve_inner_class(opts: dict) -> type:
+def resolve_inner_class(opts: dict) -> Any:
     name = opts.get("inner_connector") or DEFAULT_INNER
     module_path = opts.get("inner_module_path")
     if module_path:
@@ -116,7 +116,7 @@ def worker_identity(vllm_config: Any, instance_id: str, model: str | None = None
 class KVWireConnector(KVConnectorBase_V1):
     # Set by the first instance in this process: the class-level hooks vLLM calls
     # without a config (build_kv_connector_stats) then reach the right inner class.
-    _inner_cls_hint: type | None = None
+    _inner_cls_hint: Any = None
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any, *, sink: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -131,7 +131,7 @@ class KVWireConnector(KVConnectorBase_V1):
         self.publish_errors = 0
         self.gaps_reported = 0
         self.last_error = ""
-        self._publisher = None
+        self._publisher: Any = None
         self._stream = sink  # tests hand in a sink; production builds one lazily
         self._repair = None
         self._membership = None

@@ -252,10 +252,10 @@ class Membership:
 
     def apply(self, converted: Sequence[KVEvent]) -> tuple[list[KVEvent], int]:
         """(events to publish, chunks lost: inserted but their store event never came)."""
-        for ev in converted:
-            if isinstance(ev, BlockStored):
-                for h in ev.block_hashes:
-                    self._stores[h] = ev
+        for c in converted:
+            if isinstance(c, BlockStored):
+                for h in c.block_hashes:
+                    self._stores[h] = c
                     self._stores.move_to_end(h)
                 while len(self._stores) > MAX_PENDING_STORES:
                     self._stores.popitem(last=False)
@@ -265,7 +265,7 @@ class Membership:
         while q:
             inserted, h = q[0]
             if inserted:
-                ev = self._stores.pop(h, None)
+                ev = self._stores.pop(h) if h in self._stores else None
                 if ev is None:
                     self._waited += 1
                     if self._waited <= MAX_PUT_WAIT_POLLS:
@@ -325,17 +325,18 @@ class LMCacheSource:
         self.errors = 0
         self.gaps = 0
         self._gaps_sent = 0
-        if self.membership is not None and self.observer.held_at_start:
+        held = self.observer.held_at_start if self.observer is not None else 0
+        if self.membership is not None and held:
             # Their store events went by before this source: the index cannot hold them, so the
             # worker's state is not fully known (the first poll publishes the gap).
-            self._gap(1, f"the engine held {self.observer.held_at_start} chunk(s) before this source started")
+            self._gap(1, f"the engine held {held} chunk(s) before this source started")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     @property
     def approximate(self) -> bool:
         """True when LMCache's removals cannot be seen: the index may overstate this worker."""
-        return self.membership is None or not self.observer.exact
+        return self.membership is None or not self.membership.observer.exact
 
     @property
     def removals(self) -> int:

@@ -18,8 +18,9 @@ class EventSink(Protocol):
         """Hand over one batch; never blocks, never raises. False = dropped (and counted)."""
         ...
 
-    def new_epoch(self) -> None:
-        """The engine restarted: what the rank held before is gone."""
+    def new_epoch(self) -> object:
+        """The engine restarted: what the rank held before is gone. (RankStream returns the new
+        epoch id; sources ignore it.)"""
         ...
 
     def report_gap(self, n: int) -> None:

@@ -157,9 +157,7 @@ def _convert(ev: Any) -> KVEvent:
             raise WireError(f"BlockStored: {e}") from None
         if ev.block_size < 0:
             raise WireError(f"BlockStored: negative block_size {ev.block_size}")
-        extra = ev.extra_keys
-        if extra is not None:
-            extra = tuple(None if k is None else _tupled(k) for k in extra)
+        extra = None if ev.extra_keys is None else tuple(None if k is None else _tupled(k) for k in ev.extra_keys)
         return BlockStored(
             tuple(ev.block_hashes),
             ev.parent_block_hash,
@@ -206,6 +204,7 @@ def _diagnose(payload: bytes, first: Exception) -> WireError:
 
 def decode_batch(payload: bytes) -> WireBatch:
     """One ZMQ payload -> WireBatch. Raises WireError (or UnknownEventType) only."""
+    raw: _MapBatch | _ArrBatch
     try:
         raw = _MAP_DEC.decode(payload)
     except msgspec.DecodeError as e1:  # ValidationError is a DecodeError

@@ -44,8 +44,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -144,7 +145,7 @@ class ZmqBridge:
 
     # ------------------------------------------------------------ sockets
 
-    def _open(self) -> None:
+    def _open(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self.cfg.zmq_topic.encode())
@@ -155,8 +156,10 @@ class ZmqBridge:
         else:
             sub.connect(self.cfg.zmq_endpoint)
         self._sub = sub
+        return sub, self._monitor
 
     def _new_dealer(self) -> zmq.asyncio.Socket:
+        assert self.cfg.replay_endpoint is not None  # only replays open one
         d = self._ctx.socket(zmq.DEALER)
         d.setsockopt(zmq.LINGER, 0)
         d.connect(self.cfg.replay_endpoint)
@@ -176,22 +179,22 @@ class ZmqBridge:
     # ------------------------------------------------------------ main loop
 
     async def run(self, stop: asyncio.Event) -> None:
-        self._open()
+        sub, monitor = self._open()
         self.subscribed.set()
         try:
             self._mark_unknown("bridge started: the engine's state is not read yet")
             if self.cfg.replay_endpoint:
                 await self._sync("bridge started")
             poller = zmq.asyncio.Poller()
-            poller.register(self._sub, zmq.POLLIN)
-            poller.register(self._monitor, zmq.POLLIN)
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while not stop.is_set():
                 ready = dict(await poller.poll(self.cfg.poll_interval_ms))
                 try:
-                    if self._monitor in ready:
-                        await self._on_monitor(parse_monitor_message(await self._monitor.recv_multipart()))
-                    if self._sub in ready:
-                        await self._on_live(await self._sub.recv_multipart())
+                    if monitor in ready:
+                        await self._on_monitor(parse_monitor_message(await monitor.recv_multipart()))
+                    if sub in ready:
+                        await self._on_live(await sub.recv_multipart())
                     elif time.monotonic() - self._contact >= self.cfg.liveness_interval_s:
                         await self._check_alive()
                 except Exception as e:  # a bridge bug must not end the stream
@@ -240,7 +243,7 @@ class ZmqBridge:
         if self._expected is not None:
             self._expected += n
 
-    async def _on_monitor(self, ev: dict) -> None:
+    async def _on_monitor(self, ev: Mapping[str, Any]) -> None:
         kind = ev["event"]
         if kind == zmq.EVENT_DISCONNECTED:
             self.stats.disconnects += 1
