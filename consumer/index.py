@@ -165,7 +165,9 @@ _EMPTY = np.zeros(0, np.uint32)
 
 
 class PrefixIndex:
-    """See the module docstring. Not thread-safe: one writer, queries between writes."""
+    """See the module docstring. One writer thread; scores from any thread, also while it
+    writes: the core scores without the GIL and each sees the index between two write
+    calls (``rust/src/py_index.rs``, ``Shared``)."""
 
     def __init__(self, weights: Mapping[str, float] | None = None, default_weight: float = 0.5, capacity: int = 0):
         self._weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
