@@ -395,3 +395,12 @@ def test_lost_events_distrust_the_worker(vk, h, kafka_bootstrap, new_topic, inde
         assert not reader.trusted(worker) and reader.credit(worker, tokens) == 0
     finally:
         c.shutdown()
+
+
+@pytest.mark.parametrize("name", ["LMCacheConnectorV1", "ExampleConnector"])
+def test_documented_inner_connectors_load_from_the_extras(vk, name):
+    """The README's inner connectors resolve through vLLM's registry with only the vllm/lmcache
+    extras installed (LMCacheConnectorV1 imports uvicorn, ExampleConnector einops)."""
+    from kvwire.producer.connector import resolve_inner_class
+
+    assert resolve_inner_class({"inner_connector": name}).__name__ == name
