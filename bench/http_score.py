@@ -131,11 +131,18 @@ def serve_main(a: argparse.Namespace) -> None:
         (qdir / f"q{i}.json").write_bytes(json.dumps({"token_ids": q.tolist()}).encode())
 
     async def main() -> None:
-        workers = HttpWorkers(lambda: make_app(applier, lambda: True), "127.0.0.1", 0, a.http_workers)
+        loop = asyncio.get_running_loop()
+        # As `kvwire index` serves: HTTP on threads, ingest alone on this loop (--http-on-ingest-loop: shared).
+        workers = HttpWorkers(
+            lambda: make_app(applier, lambda: True, home=loop),
+            "127.0.0.1",
+            0,
+            a.http_workers,
+            on_caller_loop=a.http_on_ingest_loop,
+        )
         port = await workers.start()
         stats: dict = {}
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
         print(
             json.dumps(
@@ -268,6 +275,7 @@ def run_member(a: argparse.Namespace, http_workers: int, qdir: str, wrk: str) ->
         qdir,
         "--n-queries",
         str(a.n_queries),
+        *(["--http-on-ingest-loop"] if a.http_on_ingest_loop else []),
     ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -318,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         sp.add_argument("--ingest-seconds", type=float, default=60)
         sp.add_argument("--queries-dir", required=True)
         sp.add_argument("--n-queries", type=int, default=64)
+        sp.add_argument("--http-on-ingest-loop", action="store_true")
         serve_main(sp.parse_args(argv[1:]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -327,6 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="HTTP worker counts to measure")
     ap.add_argument("--ingest-rate", type=float, default=100_000, help="blocks/s applied during the runs")
     ap.add_argument("--n-queries", type=int, default=64)
+    ap.add_argument(
+        "--http-on-ingest-loop",
+        action="store_true",
+        help="serve the first HTTP worker on ingest's loop (kvwire index serves from threads only)",
+    )
     a = ap.parse_args(argv)
     a.holder_blocks = a.holder_blocks or (1_000_000 if a.quick else 10_000_000)
     a.seconds = a.seconds or (5.0 if a.quick else 15.0)
@@ -342,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
             "ingest_rate_blocks_per_s": a.ingest_rate,
             "blocks_per_ingest_record": f"{BLOCKS_PER_RECORD} stored + {BLOCKS_PER_RECORD} removed",
             "http_workers": a.workers,
+            "http_on_ingest_loop": a.http_on_ingest_loop,
             "cpus": os.cpu_count(),
             "command": "python -m bench.http_score " + " ".join(argv),
         },

@@ -21,10 +21,11 @@ forms reach the same ``Applier.score_json`` (the core hashes, walks, orders and 
 so they answer byte for byte the same. There is no ``cache_salt``: the JSON form has none
 (a salted prompt's blocks are keyed by the engine, which the index does not see).
 
-Scale-out within a host: ``serve_workers`` runs the same app on N threads, each with its
+Scale-out within a host: ``HttpWorkers`` runs the same app on N threads, each with its
 own event loop on an ``SO_REUSEPORT`` socket of the same port; the kernel spreads
 connections over them and they all read the one index (see ``kvwire.consumer.router``
-for how a reader stays consistent while ingest applies).
+for how a reader stays consistent while ingest applies). ``kvwire index`` serves from
+threads only, so ingest keeps its loop to itself.
 """
 
 from __future__ import annotations
@@ -167,9 +168,25 @@ def make_app(
     max_body_bytes: int = DEFAULT_MAX_BODY,
     peer_timeout_s: float = 2.0,
     health: Callable[[], str | None] | None = None,
+    home: asyncio.AbstractEventLoop | None = None,
 ) -> web.Application:
     """``health()`` returns why the member is unhealthy (None while healthy): /healthz then
-    answers 503 with the reason even when caught up."""
+    answers 503 with the reason even when caught up.
+
+    ``home``: the loop that feeds ``applier`` (ingest's), when this app is served from
+    another (``HttpWorkers`` threads). Scores read only the core, which is consistent from
+    any thread; /v1/workers, /v1/digest and /healthz read Python-side state that ingest
+    mutates, so they run on ``home``, between ingest steps."""
+
+    async def at_home(fn: Callable[[], Any]) -> Any:
+        if home is None or home is asyncio.get_running_loop():
+            return fn()
+
+        async def call() -> Any:
+            return fn()
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), home))
+
     peers = [p.rstrip("/") for p in (peers or [])]
     app = web.Application(client_max_size=max_body_bytes)
     session: dict[str, aiohttp.ClientSession] = {}
@@ -253,17 +270,15 @@ def make_app(
         return answers, failed
 
     async def workers(request: web.Request) -> web.Response:
-        return web.Response(body=_json.encode({"workers": applier.workers()}), content_type="application/json")
+        ws = await at_home(applier.workers)
+        return web.Response(body=_json.encode({"workers": ws}), content_type="application/json")
 
     async def digest(request: web.Request) -> web.Response:
-        return web.Response(
-            body=_json.encode({"digest": applier.index.digest(), "holder_blocks": len(applier.index)}),
-            content_type="application/json",
-        )
+        d = await at_home(lambda: {"digest": applier.index.digest(), "holder_blocks": len(applier.index)})
+        return web.Response(body=_json.encode(d), content_type="application/json")
 
     async def healthz(request: web.Request) -> web.Response:
-        ok = ready()
-        failure = health() if health is not None else None
+        ok, failure = await at_home(lambda: (ready(), health() if health is not None else None))
         body: dict = {"ready": ok, "healthy": failure is None}
         if failure is not None:
             body["failure"] = failure
@@ -314,44 +329,56 @@ def bound_port(runner: web.AppRunner) -> int:
 
 
 class HttpWorkers:
-    """The HTTP API on ``n`` event loops over one index: the caller's loop serves the
-    first, each of ``n - 1`` threads runs its own loop and its own app (``make()``) on an
-    ``SO_REUSEPORT`` socket of the same port, and the kernel spreads connections over
-    them. Everything that a request does in Python (HTTP parsing, the body, the response)
-    is under the GIL; the score itself is not, so the extra loops buy concurrency for the
-    score walk and a second core for the rest only when one is free (bench/http_score.py
-    measures it). Threads, not processes: one index in memory and one ingest, so the
-    answers are one member's; processes would each need their own group and ingest."""
+    """The HTTP API on ``n`` event loops over one index, each with its own app (``make()``)
+    on an ``SO_REUSEPORT`` socket of the same port; the kernel spreads connections over them.
 
-    def __init__(self, make: Callable[[], web.Application], host: str, port: int, n: int) -> None:
+    ``on_caller_loop`` (the default) serves the first on the caller's loop and runs
+    ``n - 1`` threads; without it all ``n`` are threads and the caller's loop (ingest's)
+    serves nothing: ingest then competes with HTTP for the GIL, not for its own loop, so a
+    flood of requests cannot starve it (bench/http_score.py showed ingest falling to a
+    third of its offered rate when it shared the loop with a saturated server). Everything
+    a request does in Python (HTTP parsing, the body, the response) is under the GIL; the
+    score walk is not, so extra loops buy concurrency for the walk, and a second core for
+    the rest only when one is free. Threads, not processes: one index in memory and one
+    ingest, so the answers are one member's; processes would each need their own group and
+    ingest. Apps made for threads should be given ``home`` (``make_app``), so that what
+    reads Python-side ingest state runs on ingest's loop."""
+
+    def __init__(
+        self, make: Callable[[], web.Application], host: str, port: int, n: int, on_caller_loop: bool = True
+    ) -> None:
         if n < 1:
             raise ValueError("at least one HTTP worker")
         self.make, self.host, self.port, self.n = make, host, port, n
+        self.on_caller_loop = on_caller_loop
         self._runner: web.AppRunner | None = None
         self._threads: list[tuple[threading.Thread, asyncio.AbstractEventLoop]] = []
 
     async def start(self) -> int:
         """Listen; returns the port (resolved when ``port`` was 0)."""
-        self._runner = await serve(self.make(), self.host, self.port, reuse_port=self.n > 1)
-        self.port = bound_port(self._runner)
-        for i in range(1, self.n):
-            started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        reuse = self.n > 1
+        if self.on_caller_loop:
+            self._runner = await serve(self.make(), self.host, self.port, reuse_port=reuse)
+            self.port = bound_port(self._runner)
+        for i in range(0 if not self.on_caller_loop else 1, self.n):
+            started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
             loop = asyncio.new_event_loop()
-            t = threading.Thread(target=self._thread, args=(loop, started), name=f"kvwire-http-{i}", daemon=True)
+            t = threading.Thread(target=self._thread, args=(loop, started, reuse), name=f"kvwire-http-{i}", daemon=True)
             self._threads.append((t, loop))
             t.start()
-            await started
+            self.port = await started  # the first one resolves port 0 for the others
         return self.port
 
-    def _thread(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[None]) -> None:
+    def _thread(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[int], reuse: bool) -> None:
         asyncio.set_event_loop(loop)
         caller = started.get_loop()
         try:
-            runner = loop.run_until_complete(serve(self.make(), self.host, self.port, reuse_port=True))
+            runner = loop.run_until_complete(serve(self.make(), self.host, self.port, reuse_port=reuse))
+            port = bound_port(runner)
         except BaseException as e:  # handed to the caller, which raises it
             caller.call_soon_threadsafe(started.set_exception, e)
             return
-        caller.call_soon_threadsafe(started.set_result, None)
+        caller.call_soon_threadsafe(started.set_result, port)
         try:
             loop.run_forever()
         finally:

@@ -143,13 +143,21 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await member.start()
+    # HTTP on threads only: a flood of requests then competes with ingest for the GIL, not
+    # for ingest's own loop (sharing it, ingest fell to a third of its rate under load).
     runner = HttpWorkers(
         lambda: make_app(
-            member.applier, lambda: member.ready, peers=peers, max_tokens=max_tokens, health=lambda: member.failure
+            member.applier,
+            lambda: member.ready,
+            peers=peers,
+            max_tokens=max_tokens,
+            health=lambda: member.failure,
+            home=loop,
         ),
         host,
         port,
         http_workers,
+        on_caller_loop=False,
     )
     await runner.start()
     typer.echo(

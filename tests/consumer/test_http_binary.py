@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import aiohttp
 import numpy as np
@@ -120,4 +121,37 @@ async def test_http_workers_share_one_port_and_one_index(populated):
         assert len(threads) == 2 and all(t.is_alive() for t, _ in threads)
     finally:
         await workers.cleanup()
+    assert all(not t.is_alive() for t, _ in threads)
+
+
+async def test_http_workers_on_threads_only_read_ingest_state_on_its_loop(populated):
+    """As `kvwire index` serves: every HTTP loop is a thread, and what reads Python-side ingest
+    state (/healthz, /v1/workers, /v1/digest) runs on the caller's (ingest's) loop."""
+    applier, oracle = populated
+    home = asyncio.get_running_loop()
+    callers: list[int] = []
+
+    def ready() -> bool:
+        callers.append(threading.get_ident())
+        return True
+
+    workers = HttpWorkers(lambda: make_app(applier, ready, home=home), "127.0.0.1", 0, 2, on_caller_loop=False)
+    port = await workers.start()
+    threads = list(workers._threads)
+    try:
+        assert len(threads) == 2 and port != 0
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            for _ in range(4):
+                async with s.get(f"http://127.0.0.1:{port}/healthz") as r:
+                    assert r.status == 200
+                async with s.get(f"http://127.0.0.1:{port}/v1/workers") as r:
+                    assert {w["instance_id"] for w in (await r.json())["workers"]} == {"a", "b", "c", "d", "e"}
+                async with s.get(f"http://127.0.0.1:{port}/v1/digest") as r:
+                    assert (await r.json())["digest"] == applier.index.digest()
+            t, lora, bs = queries()[0]
+            async with s.post(f"http://127.0.0.1:{port}/v1/score", data=le(t), headers=BIN) as r:
+                assert (await r.json())["scores"] == oracle_json(oracle, t, lora, bs)
+    finally:
+        await workers.cleanup()
+    assert callers and set(callers) == {threading.get_ident()}
     assert all(not t.is_alive() for t, _ in threads)
