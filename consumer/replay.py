@@ -91,6 +91,7 @@ async def replay(
         starts = {}
         for tp in tps:
             if start == "snapshot":
+                assert snapshots is not None  # checked above
                 starts[tp] = await snapshots.restore(a, topic, tp.partition, begins[tp], log_ends[tp])
             elif isinstance(start, datetime):
                 found = await c.offsets_for_times({tp: int(start.timestamp() * 1000)})

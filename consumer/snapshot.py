@@ -53,7 +53,7 @@ import zlib
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import xxhash
@@ -130,7 +130,7 @@ def decode_snapshot(data: bytes) -> SnapshotBody:
         raise SnapshotError(f"unsupported snapshot format version {version}")
     if flags & ~_KNOWN_FLAGS:
         raise SnapshotError(f"unknown flags {flags:#x}")
-    raw = memoryview(data)[_HEADER.size :]
+    raw: bytes | memoryview = memoryview(data)[_HEADER.size :]
     if len(raw) != length:
         raise SnapshotError(f"body is {len(raw)} bytes, header says {length}")
     if _checksum(bytes(data[:_CHECKED]), raw) != checksum:
@@ -278,7 +278,7 @@ class KafkaStore:
         self.source_topic = source_topic
         self.opts = dict(client_options or {})
         self.chunk_bytes = chunk_bytes
-        self._producer = None
+        self._producer: Any = None  # AIOKafkaProducer, imported when first needed
         self._partitions: int | None = None
         self._chunks: dict[tuple[str, int], int] = {}  # chunks of the last generation written, for tombstones
 
@@ -339,7 +339,7 @@ class KafkaStore:
 
         n = await self._ensure_topic(create=True)
         if self._producer is None:
-            self._producer = AIOKafkaProducer(
+            producer = AIOKafkaProducer(
                 bootstrap_servers=self.bootstrap,
                 enable_idempotence=True,
                 acks="all",
@@ -347,13 +347,15 @@ class KafkaStore:
                 linger_ms=5,
                 **self.opts,
             )
-            await self._producer.start()
+            await producer.start()
+            self._producer = producer
+        producer = self._producer
         gen = uuid.uuid4().bytes
         cb = self.chunk_bytes
         chunks = [data[i : i + cb] for i in range(0, len(data), cb)] or [b""]
         sp = partition % n
         futs = [
-            await self._producer.send(
+            await producer.send(
                 self.topic,
                 _CHUNK_HEADER.pack(gen, i, len(chunks)) + c,
                 key=f"{topic}/{partition}/{i}".encode(),
@@ -364,9 +366,7 @@ class KafkaStore:
         # Chunks a longer older generation left under higher keys: tombstones, or
         # compaction would keep them (harmless, never complete, but dead weight).
         for i in range(len(chunks), self._chunks.get((topic, partition), 0)):
-            futs.append(
-                await self._producer.send(self.topic, None, key=f"{topic}/{partition}/{i}".encode(), partition=sp)
-            )
+            futs.append(await producer.send(self.topic, None, key=f"{topic}/{partition}/{i}".encode(), partition=sp))
         await asyncio.gather(*futs)
         self._chunks[(topic, partition)] = len(chunks)
 
