@@ -69,7 +69,7 @@ def bridge(
         )
     )
     # The ZMQ stream is emitted after TP aggregation: one rank per worker.
-    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source="vllm-zmq")
+    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source="vllm-zmq", state_known=False)
     br = ZmqBridge(
         BridgeConfig(
             zmq_endpoint,

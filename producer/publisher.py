@@ -347,13 +347,21 @@ class KafkaPublisher:
 
     # ---------------------------------------------------------------- public API
 
-    def stream(self, worker: WorkerId, source: str = "") -> RankStream:
+    def stream(self, worker: WorkerId, source: str = "", *, state_known: bool = True) -> RankStream:
+        """A new rank stream; its first record (a reset) is queued at once.
+
+        state_known=False is for a source that starts beside an engine already running (a bridge
+        over ZMQ): the announcement then carries a gap, so consumers distrust the rank from its
+        first record until the source has established the engine's state (a replay opening a new
+        epoch, or a clear) instead of crediting it, for an instant, with an empty cache."""
         st = RankStream(self, worker, source)
         with self._close_lock:
             self._streams.append(st)
+        if not state_known:
+            st.report_gap(1)
         # Announce the epoch at once: consumers drop what this rank held before, even if the
         # engine stays idle.
-        st.enqueue_empty(time.time_ns() // 1000, lost_snap=0)
+        st.enqueue_empty(time.time_ns() // 1000)
         self.wake()
         return st
 

@@ -149,6 +149,27 @@ async def test_new_epoch_resets_seq(kafka_bootstrap):
     assert batches[6].reset and batches[6].seq == 0 and batches[6].events == ()
 
 
+async def test_stream_with_unknown_state_announces_a_gap(kafka_bootstrap):
+    # A source beside an engine already running (the ZMQ bridge) must not be credited with an
+    # empty cache while it learns the engine's state: its first record carries a gap; a source
+    # that starts with the engine announces a clean reset; the next epoch (state established)
+    # is clean again.
+    topic = fresh_topic()
+    pub = KafkaPublisher(config(kafka_bootstrap, topic, partitions=1))
+    late = pub.stream(WorkerId("late", 0), state_known=False)
+    fresh = pub.stream(WorkerId("fresh", 0))
+    late.publish(one_block(1))
+    late.new_epoch()
+    fresh.publish(one_block(2))
+    pub.close()
+    ranks = {r: [b for _, b in bs] for r, bs in by_rank(await read_all(kafka_bootstrap, topic, 1)).items()}
+    late_b, fresh_b = ranks[("late", 0, 0)], ranks[("fresh", 0, 0)]
+    assert (late_b[0].reset, late_b[0].gap, late_b[0].events) == (True, 1, ())
+    assert [b.gap for b in late_b[1:]] == [0, 0] and late_b[2].reset and late_b[2].epoch != late_b[0].epoch
+    assert [(b.reset, b.gap) for b in fresh_b] == [(True, 0), (False, 0)]
+    assert late.stats().gaps_reported == 1 and fresh.stats().gaps_reported == 0
+
+
 async def test_heartbeats_when_idle(kafka_bootstrap):
     topic = fresh_topic()
     pub = KafkaPublisher(config(kafka_bootstrap, topic, partitions=1, heartbeat_interval_s=0.2))
