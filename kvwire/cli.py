@@ -12,6 +12,7 @@ from kvwire.index_cli import index as _index
 from kvwire.registry_cli import app as _registry
 from kvwire.replay_cli import replay as _replay
 from kvwire.schemas_cli import app as _schemas
+from kvwire.sglang_cli import app as _sglang_bridge
 from kvwire.tail import app as _tail
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="KV-cache events on Kafka.")
@@ -20,6 +21,7 @@ app.add_typer(_kafka, name="kafka")
 app.command(name="demo")(_demo)
 app.command(name="index")(_index)
 app.add_typer(_bridge, name="bridge")
+app.add_typer(_sglang_bridge, name="sglang-bridge")
 app.command(name="replay")(_replay)
 app.add_typer(_tail, name="tail")
 app.add_typer(_schemas, name="schemas")
