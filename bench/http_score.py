@@ -107,6 +107,8 @@ async def _ingest(applier, recs: list[_Rec], rate_blocks: float, stats: dict) ->
 
 
 def serve_main(a: argparse.Namespace) -> None:
+    if a.switch_interval:
+        sys.setswitchinterval(a.switch_interval)
     from kvwire.consumer.apply import Applier
     from kvwire.consumer.http import HttpWorkers, make_app
 
@@ -276,6 +278,7 @@ def run_member(a: argparse.Namespace, http_workers: int, qdir: str, wrk: str) ->
         "--n-queries",
         str(a.n_queries),
         *(["--http-on-ingest-loop"] if a.http_on_ingest_loop else []),
+        *(["--switch-interval", str(a.switch_interval)] if a.switch_interval else []),
     ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         sp.add_argument("--queries-dir", required=True)
         sp.add_argument("--n-queries", type=int, default=64)
         sp.add_argument("--http-on-ingest-loop", action="store_true")
+        sp.add_argument("--switch-interval", type=float, default=0.0)
         serve_main(sp.parse_args(argv[1:]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -340,6 +344,9 @@ def main(argv: list[str] | None = None) -> None:
         "--http-on-ingest-loop",
         action="store_true",
         help="serve the first HTTP worker on ingest's loop (kvwire index serves from threads only)",
+    )
+    ap.add_argument(
+        "--switch-interval", type=float, default=0.0, help="the member's sys.setswitchinterval (0: Python's 5 ms)"
     )
     a = ap.parse_args(argv)
     a.holder_blocks = a.holder_blocks or (1_000_000 if a.quick else 10_000_000)
@@ -357,6 +364,7 @@ def main(argv: list[str] | None = None) -> None:
             "blocks_per_ingest_record": f"{BLOCKS_PER_RECORD} stored + {BLOCKS_PER_RECORD} removed",
             "http_workers": a.workers,
             "http_on_ingest_loop": a.http_on_ingest_loop,
+            "switch_interval_s": a.switch_interval or sys.getswitchinterval(),
             "cpus": os.cpu_count(),
             "command": "python -m bench.http_score " + " ".join(argv),
         },

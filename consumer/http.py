@@ -123,7 +123,8 @@ def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
         raise BadRequest(400, f"invalid request: binary body of {len(body)} bytes is not whole uint32 token ids")
     if len(body) // 4 > max_tokens:
         raise BadRequest(413, f"{len(body) // 4} tokens; at most {max_tokens}")
-    tokens = np.frombuffer(body, np.uint32) if _LE else np.frombuffer(body, "<u4").astype(np.uint32)
+    # The core reads the buffer's bytes as little-endian words, so the body goes as it came.
+    tokens = np.frombuffer(body, np.uint32)
     return msgspec.structs.replace(req, token_ids=tokens)
 
 
