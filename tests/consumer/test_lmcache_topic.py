@@ -146,7 +146,7 @@ def test_continuations_chain_only_when_the_hash_proves_it():
     # without a hasher nothing past the first chunk is chained
     (out,) = LmcacheTopicConverter(hasher=None).convert_record(b"lmc", record(1, entries=chunk_entries(a)))
     assert [s.parent_block_hash is None for s in stores([out])] == [True, False, False]
-    assert all(s.parent_block_hash == unknown_parent(h) for s, h in zip(stores([out])[1:], hashes(a)[1:]))
+    assert all(s.parent_block_hash == unknown_parent(h) for s, h in zip(stores([out])[1:], hashes(a)[1:], strict=True))
 
 
 def test_salt_model_shared_and_tokenless_entries():
