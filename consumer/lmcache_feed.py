@@ -43,11 +43,14 @@ class LmcacheTopicFeed:
         topic: str,
         converter: LmcacheTopicConverter | None = None,
         client_options: dict | None = None,
+        model: str | None = None,
     ):
         self.applier = applier
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
-        self.converter = converter if converter is not None else LmcacheTopicConverter(tp_size_hint=self._tp_size)
+        self.converter = (
+            converter if converter is not None else LmcacheTopicConverter(model=model, tp_size_hint=self._tp_size)
+        )
         self.client_options = dict(client_options or {})
         self.positions: dict[int, int] = {}
         self.records = 0
@@ -153,4 +156,15 @@ class LmcacheTopicFeed:
                 log.warning("LMCache feed consumer stop failed: %r", e)
 
 
-__all__ = ["PARTITION_BASE", "LmcacheTopicFeed", "applier_partition"]
+async def feed_member(member, topic: str, model: str | None = None) -> LmcacheTopicFeed:
+    """Start feeding an ``IndexMember``'s applier from LMCache's coordinator topic too, with
+    the member's broker and client options; its dead letters go out through the member's DLQ."""
+    cfg = member.config
+    feed = LmcacheTopicFeed(
+        member.applier, cfg.bootstrap_servers, topic, client_options=cfg.client_options, model=model
+    )
+    await feed.start()
+    return feed
+
+
+__all__ = ["PARTITION_BASE", "LmcacheTopicFeed", "applier_partition", "feed_member"]

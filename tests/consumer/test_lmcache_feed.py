@@ -214,3 +214,49 @@ async def test_a_malformed_record_is_dead_lettered_and_reported_as_a_gap(kafka_b
     finally:
         await feed.stop()
     await asyncio.sleep(0)
+
+
+async def test_an_index_member_serves_the_coordinator_topic_beside_its_own(kafka_bootstrap, new_topic):
+    """What `kvwire index --lmcache-topic` runs: one applier, the member's own topic and the
+    coordinator topic; a rebalance of the member's topic leaves LMCache's workers alone."""
+    from aiokafka import AIOKafkaProducer
+
+    from kvwire.consumer.ingest import IndexMember, IngestConfig
+    from kvwire.consumer.lmcache_feed import feed_member
+    from kvwire.schemas import codec
+    from kvwire.schemas.events import EventBatch, WorkerId, stored
+
+    events_topic, lm_topic = new_topic(), new_topic()
+    rng = random.Random(13)
+    lm_toks, vllm_toks = seqs(rng, 2 * CHUNK), seqs(rng, 3 * 16)
+    srv = MpServer(kafka_bootstrap, lm_topic, "lmc-i", incarnation=1, chunk=CHUNK)
+    srv.store(lm_toks)
+    srv.close()
+    w = WorkerId("vllm-i", 0, 0, 1)
+    rec = EventBatch(w, 42, 0, 1, (stored([1, 2, 3], vllm_toks, 16),), reset=True)
+    p = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
+    await p.start()
+    try:
+        await p.send_and_wait(events_topic, codec.encode(rec), key=w.kafka_key())
+    finally:
+        await p.stop()
+    member = IndexMember(IngestConfig(kafka_bootstrap, events_topic))
+    await member.start()
+    feed = None
+    try:
+        feed = await feed_member(member, lm_topic)
+        assert await feed.caught_up()
+        for _ in range(600):
+            if member.ready:
+                break
+            await asyncio.sleep(0.05)
+        a = member.applier
+        assert matched(a, lm_toks, "lmc-i") == srv.expected_tokens(lm_toks) == 2 * CHUNK
+        assert matched(a, vllm_toks, "vllm-i") == 48
+        a.drop_partitions({0})  # the member's partition 0 moves away
+        assert matched(a, vllm_toks, "vllm-i") == 0
+        assert matched(a, lm_toks, "lmc-i") == 2 * CHUNK
+    finally:
+        if feed is not None:
+            await feed.stop()
+        await member.stop()
