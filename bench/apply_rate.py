@@ -38,9 +38,9 @@ from .index_memory import CONV_BLOCKS, EV_BLOCKS, N_WORKERS, Workload
 PARTITIONS = 4
 
 
-def make_records(blocks: int, events_per_record: int, seed: int = 0) -> list[tuple[bytes, bytes]]:
+def make_records(blocks: int, events_per_record: int, seed: int = 0, name: str = "vllm") -> list[tuple[bytes, bytes]]:
     """(key, value) pairs in the order an interleaved fleet would publish them."""
-    wl = Workload(seed)
+    wl = Workload(seed, name)
     seqs = [0] * N_WORKERS
     epoch = 0x5EED
     out: list[tuple[bytes, bytes]] = []

@@ -42,13 +42,13 @@ def _rss_mb() -> float:
 
 
 class Workload:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, name: str = "vllm"):
         self.rng = np.random.default_rng(seed)
         self.sys = [self.rng.integers(0, 128_000, SYS_BLOCKS * BS, dtype=np.uint32) for _ in range(N_SYS)]
         self.sys_hashes = [
             self.rng.integers(0, 2**64, SYS_BLOCKS, dtype=np.uint64, endpoint=False) for _ in range(N_SYS)
         ]
-        self.workers = [WorkerId(f"vllm-{i}", 0, 0, 1, "m") for i in range(N_WORKERS)]
+        self.workers = [WorkerId(f"{name}-{i}", 0, 0, 1, "m") for i in range(N_WORKERS)]
         self.kept: list[np.ndarray] = []  # some stored conversations, to query later
 
     def conversation(self, w: int, c: int):

@@ -123,8 +123,8 @@ def under_ingest(ix, wl: Workload, n: int, blocks_per_s: float = 1e6, seconds: f
 
     a = Applier(index=ix)
     seconds = seconds or max(0.5, n / 1000)
-    recs_kv = make_records(int(blocks_per_s * seconds), 2, seed=7)
-    # Other workers than the index's own (fresh ranks, reset records): pure additions.
+    # Another fleet than the index's own (fresh ranks, reset records): the index grows as it is queried.
+    recs_kv = make_records(int(blocks_per_s * seconds), 2, seed=7, name="ingest")
     values = [v for _, v in recs_kv]
 
     class _R:

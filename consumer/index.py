@@ -169,10 +169,14 @@ class PrefixIndex:
     writes: the core scores without the GIL and each sees the index between two write
     calls (``rust/src/py_index.rs``, ``Shared``)."""
 
+    # Slots of one key before the core keeps its holder set (None: the core's default). Tests
+    # set 1 so that every key, not only shared prompts, goes through the holder-set path.
+    holder_sets_at: int | None = None
+
     def __init__(self, weights: Mapping[str, float] | None = None, default_weight: float = 0.5, capacity: int = 0):
         self._weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
         self._default_weight = float(default_weight)
-        self.core = _core.Index(self._weights, self._default_weight, capacity)
+        self.core = _core.Index(self._weights, self._default_weight, capacity, self.holder_sets_at)
         self._names: list[tuple[str, int]] = []
         self._media: list[str] = []
 

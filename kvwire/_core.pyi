@@ -27,7 +27,11 @@ def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
 
 class Index:
     def __init__(
-        self, weights: dict[str, float] | None = None, default_weight: float = 0.5, capacity: int = 0
+        self,
+        weights: dict[str, float] | None = None,
+        default_weight: float = 0.5,
+        capacity: int = 0,
+        holder_sets_at: int | None = None,
     ) -> None: ...
     def apply(
         self, inst: str, dp: int, tp_rank: int, tp_size: int, events: list[tuple[Any, ...]], atomic: bool

@@ -232,6 +232,8 @@ impl Index {
             }
         });
         self.hd.wm_blocks = blocks;
+        // Holders changed under the new TP degree: holder sets re-form from the slots.
+        self.s.drop_holder_sets();
     }
 
     fn table(&mut self, rank: &RankId, medium: Option<&str>, group: i64) -> Result<Loc, ApplyError> {
@@ -639,7 +641,10 @@ impl Index {
             }
             let mut key = ROOT;
             let mut reached = 0usize;
-            for i in 0..n {
+            if self.media.len() == 1 {
+                reached = self.walk_one_medium(q, n, &ok, weights, &mut run_w, &mut score_w, &mut run_wm, &mut cnt);
+            }
+            for i in 0..if self.media.len() == 1 { 0 } else { n } {
                 key = match q {
                     Query::Tokens { tokens, bs, ctx } => {
                         block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
@@ -647,22 +652,50 @@ impl Index {
                     Query::Keys { keys, .. } => keys[i],
                 };
                 touched.clear();
+                wtouched.clear();
+                let iu = i as u32;
+                let hs = self.s.multi.get(&key);
+                if let Some(bits) = hs {
+                    // A hot key: its holder set says which wms hold it (TP counted already).
+                    for (wi, &word) in bits.iter().enumerate() {
+                        let mut b = word;
+                        while b != 0 {
+                            let wmu = wi * 64 + b.trailing_zeros() as usize;
+                            b &= b - 1;
+                            let w = self.wm_worker[wmu] as usize;
+                            if run_w[w] != iu || !ok[w] {
+                                continue;
+                            }
+                            if run_wm[wmu] == iu {
+                                run_wm[wmu] = iu + 1;
+                            }
+                            if bestw[w] < 0.0 {
+                                wtouched.push(w as u32);
+                            }
+                            let wt = weights[self.wm_medium[wmu] as usize];
+                            if wt > bestw[w] {
+                                bestw[w] = wt;
+                            }
+                        }
+                    }
+                }
                 let rm_wm = &self.hd.rm_wm;
                 let rm_w = &self.rm_w;
-                let iu = i as u32;
+                let hot = hs.is_some();
                 // SAFETY: rm ids in S index rm_wm / rm_w; wm ids index cnt; worker ids index run_w / ok.
-                self.s.holders_fast(key, |rm| unsafe {
-                    let w = *rm_w.get_unchecked(rm) as usize;
-                    if *run_w.get_unchecked(w) == iu && *ok.get_unchecked(w) {
-                        let wm = *rm_wm.get_unchecked(rm);
-                        let c = cnt.get_unchecked_mut(wm as usize);
-                        if *c == 0 {
-                            touched.push(wm);
+                if !hot {
+                    self.s.holders_fast(key, |rm| unsafe {
+                        let w = *rm_w.get_unchecked(rm) as usize;
+                        if *run_w.get_unchecked(w) == iu && *ok.get_unchecked(w) {
+                            let wm = *rm_wm.get_unchecked(rm);
+                            let c = cnt.get_unchecked_mut(wm as usize);
+                            if *c == 0 {
+                                touched.push(wm);
+                            }
+                            *c += 1;
                         }
-                        *c += 1;
-                    }
-                });
-                wtouched.clear();
+                    });
+                }
                 for &wm in &touched {
                     let wmu = wm as usize;
                     if cnt[wmu] >= self.hd.wm_tp[wmu] {
@@ -754,6 +787,102 @@ impl Index {
             out.by_off.push(out.by_medium.len() as u32);
         }
         out
+    }
+
+    /// The walk when every holder is on one medium (one wm per worker): the
+    /// workers still matching are a bitset, each block intersects it with the
+    /// block's holders (a hot key's holder set, word by word, or the wms its
+    /// slots show holding), and a worker's run is set once, when it drops out.
+    /// Scores are then run x the medium's weight. Fills run_w / score_w /
+    /// run_wm like the general walk; returns the blocks anyone matched.
+    #[allow(clippy::too_many_arguments)]
+    fn walk_one_medium(
+        &self,
+        q: &Query,
+        n: usize,
+        ok: &[bool],
+        weights: &[f64],
+        run_w: &mut [u32],
+        score_w: &mut [f64],
+        run_wm: &mut [u32],
+        cnt: &mut [u32],
+    ) -> usize {
+        let nwm = self.wm_worker.len();
+        let words = nwm.div_ceil(64);
+        let mut alive = vec![0u64; words];
+        for wm in 0..nwm {
+            if ok[self.wm_worker[wm] as usize] {
+                alive[wm >> 6] |= 1 << (wm & 63);
+            }
+        }
+        let mut held = vec![0u64; words];
+        let mut touched: Vec<u32> = Vec::with_capacity(16);
+        let rm_wm = &self.hd.rm_wm;
+        let mut key = ROOT;
+        let mut reached = 0usize;
+        for i in 0..n {
+            key = match q {
+                Query::Tokens { tokens, bs, ctx } => {
+                    block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
+                }
+                Query::Keys { keys, .. } => keys[i],
+            };
+            held.iter_mut().for_each(|x| *x = 0);
+            if let Some(bits) = self.s.multi.get(&key) {
+                for (h, &b) in held.iter_mut().zip(bits) {
+                    *h = b;
+                }
+            } else {
+                touched.clear();
+                self.s.holders_fast(key, |rm| {
+                    let wm = rm_wm[rm] as usize;
+                    if alive[wm >> 6] & (1 << (wm & 63)) != 0 {
+                        if cnt[wm] == 0 {
+                            touched.push(wm as u32);
+                        }
+                        cnt[wm] += 1;
+                    }
+                });
+                for &wm in &touched {
+                    let wm = wm as usize;
+                    if cnt[wm] >= self.hd.wm_tp[wm] {
+                        held[wm >> 6] |= 1 << (wm & 63);
+                    }
+                    cnt[wm] = 0;
+                }
+            }
+            let mut any = false;
+            for k in 0..words {
+                let still = alive[k] & held[k];
+                let mut dropped = alive[k] & !still;
+                while dropped != 0 {
+                    run_wm[k * 64 + dropped.trailing_zeros() as usize] = i as u32;
+                    dropped &= dropped - 1;
+                }
+                alive[k] = still;
+                any |= still != 0;
+            }
+            if !any {
+                break;
+            }
+            reached = i + 1;
+        }
+        for (k, &a) in alive.iter().enumerate() {
+            let mut b = a;
+            while b != 0 {
+                run_wm[k * 64 + b.trailing_zeros() as usize] = reached as u32;
+                b &= b - 1;
+            }
+        }
+        for wm in 0..nwm {
+            let r = run_wm[wm];
+            if r > 0 {
+                let w = self.wm_worker[wm] as usize;
+                run_w[w] = r;
+                score_w[w] = r as f64 * weights[self.wm_medium[wm] as usize];
+            }
+        }
+        reached
     }
 
     pub fn context(&mut self, bs: i64, lora: Option<&str>) -> u64 {

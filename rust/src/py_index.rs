@@ -363,14 +363,22 @@ pub fn scores_json(ix: &Index, s: &Scores) -> String {
 #[pymethods]
 impl PyIndex {
     #[new]
-    #[pyo3(signature = (weights=None, default_weight=0.5, capacity=0))]
-    fn new(weights: Option<std::collections::HashMap<String, f64>>, default_weight: f64, capacity: usize) -> Self {
+    #[pyo3(signature = (weights=None, default_weight=0.5, capacity=0, holder_sets_at=None))]
+    fn new(
+        weights: Option<std::collections::HashMap<String, f64>>,
+        default_weight: f64,
+        capacity: usize,
+        holder_sets_at: Option<u32>,
+    ) -> Self {
         let weights = weights.unwrap_or_else(|| {
             [("GPU".to_string(), 1.0), ("CPU".to_string(), 0.8), ("STORAGE".to_string(), 0.5)].into_iter().collect()
         });
         let mut ix = Index::new();
         if capacity > 0 {
             ix.s.reserve(capacity);
+        }
+        if let Some(n) = holder_sets_at {
+            ix.s.promote = n.max(1);
         }
         PyIndex { ix: Shared::new(ix), weights, default_weight }
     }

@@ -20,6 +20,9 @@
 //! - **R** (one per rank x medium x group), the removal table: engine hash ->
 //!   (block key, refcount | ORPHAN | ENGINE), 18 bytes a slot.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
 pub const MAX_LOAD_NUM: usize = 9;
 pub const MAX_LOAD_DEN: usize = 10;
 pub const MIN_CAP: usize = 8;
@@ -335,6 +338,52 @@ pub struct Holders {
 pub struct STable {
     pub shards: Vec<SShard>,
     pub count: usize,
+    /// Holder sets of hot keys: for a key with at least `PROMOTE` slots, the
+    /// exact set of wms holding it (all their TP ranks), as a bitset over wm
+    /// ids. The score walk reads a shared system prompt's 100+ holders from
+    /// here instead of scanning (and comparing) their slots one by one. Kept
+    /// exact at every hold/unhold event; absent keys fall back to the scan.
+    pub multi: HashMap<u64, Vec<u64>, BuildHasherDefault<KeyHasher>>,
+    /// Slots of one key before it gets a holder set (`PROMOTE`; tests lower it
+    /// so every key takes the holder-set path).
+    pub promote: u32,
+}
+
+/// Keys are XXH3 output already: one multiply spreads them for the map.
+#[derive(Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ b as u64).wrapping_mul(0x100000001B3);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x.wrapping_mul(0x9E3779B97F4A7C15);
+    }
+}
+
+/// Slots of one key before it gets a holder set.
+pub const PROMOTE: u32 = 8;
+
+#[inline]
+fn set_bit(bits: &mut Vec<u64>, i: u32, on: bool) {
+    let w = (i >> 6) as usize;
+    if bits.len() <= w {
+        if !on {
+            return;
+        }
+        bits.resize(w + 1, 0);
+    }
+    if on {
+        bits[w] |= 1 << (i & 63);
+    } else {
+        bits[w] &= !(1 << (i & 63));
+    }
 }
 
 #[inline]
@@ -350,7 +399,12 @@ impl Default for STable {
 
 impl STable {
     pub fn new() -> Self {
-        STable { shards: (0..1usize << S_SHARD_BITS).map(|_| SShard::new(MIN_CAP)).collect(), count: 0 }
+        STable {
+            shards: (0..1usize << S_SHARD_BITS).map(|_| SShard::new(MIN_CAP)).collect(),
+            count: 0,
+            multi: HashMap::default(),
+            promote: PROMOTE,
+        }
     }
 
     /// Distinct ranks of `wm` holding `key` (each rm has at most one slot).
@@ -378,14 +432,18 @@ impl STable {
         let tag = rm + 1;
         let cap = s.key.len();
         let mut j = home(h, cap);
+        let mut slots = 1u32; // this key's slots once the new one is in (the walk sees them all)
         while s.meta[j] != 0 {
             let m = s.meta[j];
-            if s.key[j] == key && (m >> CNT_BITS) == tag {
-                if m & CNT_MASK == CNT_MASK {
-                    return false;
+            if s.key[j] == key {
+                if (m >> CNT_BITS) == tag {
+                    if m & CNT_MASK == CNT_MASK {
+                        return false;
+                    }
+                    s.meta[j] = m + 1;
+                    return true;
                 }
-                s.meta[j] = m + 1;
-                return true;
+                slots += 1;
             }
             j += 1;
             if j == cap {
@@ -409,10 +467,46 @@ impl STable {
         self.count += 1;
         let wm = hd.rm_wm[rm as usize];
         let tp = hd.wm_tp[wm as usize];
-        if tp == 0 || Self::run_count(s, key, h, wm, hd) == tp {
+        let held = tp == 0 || Self::run_count(s, key, h, wm, hd) == tp;
+        if held {
             hd.wm_blocks[wm as usize] += 1;
         }
+        if let Some(bits) = self.multi.get_mut(&key) {
+            if held {
+                set_bit(bits, wm, true);
+            }
+        } else if slots >= self.promote {
+            let bits = Self::holder_set(s, key, h, hd);
+            if bits.iter().any(|&b| b != 0) {
+                self.multi.insert(key, bits);
+            }
+        }
         true
+    }
+
+    /// The wms holding `key` (as many distinct ranks as their TP degree), computed from its slots.
+    fn holder_set(s: &SShard, key: u64, h: u64, hd: &Holders) -> Vec<u64> {
+        let mut bits = vec![];
+        let cap = s.key.len();
+        let mut j = home(h, cap);
+        while s.meta[j] != 0 {
+            if s.key[j] == key {
+                let wm = hd.rm_wm[rm_of(s.meta[j])];
+                if Self::run_count(s, key, h, wm, hd) >= hd.wm_tp[wm as usize].max(1) {
+                    set_bit(&mut bits, wm, true);
+                }
+            }
+            j += 1;
+            if j == cap {
+                j = 0;
+            }
+        }
+        bits
+    }
+
+    /// Forget every holder set (after a TP degree changed: they re-form as keys gain slots).
+    pub fn drop_holder_sets(&mut self) {
+        self.multi.clear();
     }
 
     /// Whether `inc(key, rm)` would hit the count ceiling.
@@ -451,6 +545,12 @@ impl STable {
                 let tp = hd.wm_tp[wm as usize];
                 if tp == 0 || Self::run_count(s, key, h, wm, hd) == tp {
                     hd.wm_blocks[wm as usize] -= 1;
+                    if let Some(bits) = self.multi.get_mut(&key) {
+                        set_bit(bits, wm, false);
+                        if bits.iter().all(|&b| b == 0) {
+                            self.multi.remove(&key);
+                        }
+                    }
                 }
                 s.delete(j);
                 self.count -= 1;

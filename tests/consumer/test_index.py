@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -14,6 +15,14 @@ from oracle import Oracle
 from kvwire.consumer.index import MalformedEvent, PrefixIndex
 from kvwire.consumer.keys import prompt_keys
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerId, stored
+
+
+@pytest.fixture(autouse=True, params=[None, 1, 3], ids=["holder_sets_default", "every_key_a_set", "sets_from_3"])
+def holder_sets(request, monkeypatch):
+    """Every test runs with the core's default holder-set threshold (only keys with many
+    holders get one), with every key a holder set, and with sets formed mid-life."""
+    monkeypatch.setattr(PrefixIndex, "holder_sets_at", request.param)
+
 
 A = WorkerId("a", 0)
 B0, B1 = WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2)
@@ -372,3 +381,31 @@ def test_apply_batch_equals_events_one_by_one(sc):
     for s in seqs:
         for bs in (None, 4, 8):
             assert ix.score(s, block_size=bs) == orc.score(s, block_size=bs)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(scenario())
+def test_index_equals_oracle_on_one_medium(sc):
+    """The same scenarios with every event on one medium: the score takes its one-medium walk."""
+    ops, queries, weights, subset = sc
+    one = []
+    for name, *args in ops:
+        if name in ("store", "remove"):
+            args = [args[0], msgspec.structs.replace(args[1], medium="GPU")]
+        one.append((name, *args))
+    ix, orc = PrefixIndex(), Oracle()
+    for name, *args in one:
+        getattr(ix, name)(*args)
+        getattr(orc, name)(*args)
+    same(ix, orc)
+    assert ix.core.media() in ([], ["GPU"])
+    for q in queries:
+        for bs in (None, 4, 8):
+            assert ix.score(q, block_size=bs, weights=weights, workers=subset) == orc.score(
+                q, block_size=bs, weights=weights, workers=subset
+            )
+            for k in (1, 2):
+                assert (
+                    ix.score(q, block_size=bs, workers=subset, top_k=k)
+                    == orc.score(q, block_size=bs, workers=subset)[:k]
+                )

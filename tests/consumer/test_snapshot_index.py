@@ -15,6 +15,12 @@ from hypothesis import strategies as st
 from kvwire.consumer.index import PrefixIndex
 from kvwire.schemas.events import BlockRemoved, WorkerId, stored
 
+
+@pytest.fixture(autouse=True, params=[None, 1], ids=["holder_sets_default", "every_key_a_set"])
+def holder_sets(request, monkeypatch):
+    monkeypatch.setattr(PrefixIndex, "holder_sets_at", request.param)
+
+
 RANKS = [WorkerId("a", 0), WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2), WorkerId("c", 1), WorkerId("d", 0, 0, 1)]
 MEDIA = ["GPU", "cpu", "STORAGE", "nvme"]
 
