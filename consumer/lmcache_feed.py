@@ -4,7 +4,8 @@ The topic's records become ``EventBatch``es in ``lmcache_topic`` and go through
 ``Applier.apply_batch``, the path every kvwire record takes, so fencing, gaps,
 trust and scoring are the same as for any other source.
 
-The feed reads every partition from the log start and commits nothing: the
+The feed reads every partition from the log start and commits nothing (its consumer
+group is its own and only makes Kafka assign it every partition, as they appear): the
 converter is rebuilt from the log, as LMCache's own coordinator rebuilds its
 directory from the topic. Its workers live under partition numbers of their
 own (``applier_partition``), below zero, so a rebalance of the kvwire topic
@@ -19,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
 from .apply import Applier, DeadLetter
 from .lmcache_topic import LmcacheTopicConverter, TopicRecordError
@@ -33,6 +35,27 @@ PARTITION_BASE = -1_000_000
 def applier_partition(partition: int) -> int:
     """Where a coordinator-topic partition's workers are filed in the applier."""
     return PARTITION_BASE - partition
+
+
+class _FromWhereWeWere(ConsumerRebalanceListener):
+    """A partition seen before continues where the feed was (the converter has its past);
+    a new one is read from its start."""
+
+    def __init__(self, feed: LmcacheTopicFeed):
+        self.feed = feed
+
+    async def on_partitions_revoked(self, revoked) -> None:
+        pass
+
+    async def on_partitions_assigned(self, assigned) -> None:
+        c = self.feed._consumer
+        assert c is not None
+        for tp in assigned:
+            pos = self.feed.positions.get(tp.partition)
+            if pos is None:
+                await c.seek_to_beginning(tp)
+            else:
+                c.seek(tp, pos)
 
 
 class LmcacheTopicFeed:
@@ -94,24 +117,18 @@ class LmcacheTopicFeed:
     # ------------------------------------------------------------ consuming
 
     async def start(self) -> None:
+        # A group of its own, never committing: it only makes Kafka hand this feed every
+        # partition, including a topic created after the index started and partitions added later.
         c = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
+            group_id=f"kvwire-lmcache-feed-{uuid.uuid4().hex[:12]}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             **self.client_options,
         )
         await c.start()
         self._consumer = c
-        parts = c.partitions_for_topic(self.topic)
-        if not parts:
-            await c._client.force_metadata_update()  # a fresh consumer has no metadata for the topic yet
-            parts = c.partitions_for_topic(self.topic) or set()
-        if not parts:
-            await c.stop()
-            raise ValueError(f"topic {self.topic!r} does not exist or has no partitions")
-        tps = [TopicPartition(self.topic, p) for p in sorted(parts)]
-        c.assign(tps)
-        await c.seek_to_beginning(*tps)
+        c.subscribe([self.topic], listener=_FromWhereWeWere(self))
         self._task = asyncio.create_task(self._run(), name=f"kvwire-lmcache-feed-{self.topic}")
 
     async def _run(self) -> None:
@@ -130,12 +147,16 @@ class LmcacheTopicFeed:
                 await asyncio.sleep(0)  # let HTTP readers in between partitions
 
     async def caught_up(self, timeout_s: float = 60.0) -> bool:
-        """Wait until every partition is read up to the end offsets seen now."""
+        """Wait until every partition is read up to the end offsets seen once assigned."""
         c = self._consumer
         assert c is not None
-        tps = [TopicPartition(self.topic, p) for p in sorted(c.partitions_for_topic(self.topic) or ())]
-        ends = await c.end_offsets(tps)
         deadline = time.monotonic() + timeout_s
+        while not c.assignment() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        tps = sorted(c.assignment())
+        if not tps:
+            return False
+        ends = await c.end_offsets(tps)
         while time.monotonic() < deadline:
             if all(self.positions.get(tp.partition, 0) >= end for tp, end in ends.items() if end > 0):
                 return True
