@@ -260,3 +260,26 @@ async def test_an_index_member_serves_the_coordinator_topic_beside_its_own(kafka
         if feed is not None:
             await feed.stop()
         await member.stop()
+
+
+async def test_a_coordinator_topic_created_after_the_feed_started_is_read(kafka_bootstrap):
+    import uuid
+
+    from kafka_admin import create_topics, delete_topics
+
+    topic = f"t-lmcache-late-{uuid.uuid4().hex[:8]}"
+    a = Applier()
+    feed = LmcacheTopicFeed(a, kafka_bootstrap, topic)
+    await feed.start()
+    try:
+        await asyncio.sleep(1)
+        await create_topics(kafka_bootstrap, [topic], 1, None)
+        toks = seqs(random.Random(1), 2 * CHUNK)
+        srv = MpServer(kafka_bootstrap, topic, "lmc-late", incarnation=1, chunk=CHUNK)
+        srv.store(toks)
+        srv.close()
+        assert await feed.caught_up(timeout_s=120)
+        assert matched(a, toks, "lmc-late") == srv.expected_tokens(toks) == 2 * CHUNK
+    finally:
+        await feed.stop()
+        await delete_topics(kafka_bootstrap, [topic])
