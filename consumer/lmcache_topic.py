@@ -52,7 +52,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -218,12 +218,15 @@ class _Instance:
     world_from_store: bool = False
     ranks: set[int] = field(default_factory=set)
     pending_gap: int = 0
-    # end token offset -> chunk hashes that end there (candidate parents), most recent last
-    ends: OrderedDict[int, deque[bytes]] = field(default_factory=OrderedDict)
+    # Candidate parents: chunk hashes by the token offset they end at (insertion-ordered), and
+    # the same (end, hash) pairs in least-recently-stored order, to bound them.
+    by_end: dict[int, dict[bytes, None]] = field(default_factory=dict)
+    lru: OrderedDict[tuple[int, bytes], None] = field(default_factory=OrderedDict)
 
 
-_MAX_ENDS = 65536
-_PER_END = 16
+# Candidate parents kept per instance (~150 bytes each): a continuation whose parent was stored
+# longer ago than this many chunks is kept as an orphan (under-credited, never falsely credited).
+MAX_CANDIDATES = 65536
 
 
 class LmcacheTopicConverter:
@@ -236,6 +239,7 @@ class LmcacheTopicConverter:
     default); None chains nothing past the first chunk.
     ``tp_size_hint(instance_id)``: the world size already known elsewhere (the
     index's rank table after a snapshot), used until a store says it.
+    ``max_candidates``: candidate parents kept per instance (see ``MAX_CANDIDATES``).
     """
 
     def __init__(
@@ -243,8 +247,10 @@ class LmcacheTopicConverter:
         model: str | None = None,
         hasher: ChunkHasher | str | None = "blake3",
         tp_size_hint: Callable[[str], int | None] | None = None,
+        max_candidates: int = MAX_CANDIDATES,
     ):
         self.model = model
+        self.max_candidates = max_candidates
         self.hasher: ChunkHasher | None = blake3_hasher() if hasher == "blake3" else hasher  # type: ignore[assignment]
         if hasher == "blake3" and self.hasher is None:
             log.warning("blake3 is not installed: LMCache chunks past the first are kept as orphans")
@@ -401,22 +407,25 @@ class LmcacheTopicConverter:
     def _parent(self, st: _Instance, offset: int, toks, chunk: bytes) -> bytes | None:
         if not self.hasher_ok or self.hasher is None:
             return None
-        for cand in reversed(st.ends.get(offset, ())):
+        # Every chunk ending here is a candidate: the hash decides, newest first.
+        for cand in reversed(st.by_end.get(offset, {})):
             if self.hasher(cand, toks) == chunk:
                 return cand
         return None
 
-    @staticmethod
-    def _remember(st: _Instance, end: int, chunk: bytes) -> None:
-        q = st.ends.get(end)
-        if q is None:
-            q = st.ends[end] = deque(maxlen=_PER_END)
-            if len(st.ends) > _MAX_ENDS:
-                st.ends.popitem(last=False)
-        else:
-            st.ends.move_to_end(end)
-        if chunk not in q:
-            q.append(chunk)
+    def _remember(self, st: _Instance, end: int, chunk: bytes) -> None:
+        k = (end, chunk)
+        if k in st.lru:
+            st.lru.move_to_end(k)
+            return
+        st.lru[k] = None
+        st.by_end.setdefault(end, {})[chunk] = None
+        if len(st.lru) > self.max_candidates:
+            (e0, h0), _ = st.lru.popitem(last=False)
+            hs = st.by_end[e0]
+            del hs[h0]
+            if not hs:
+                del st.by_end[e0]
 
     # ------------------------------------------------------------ output
 

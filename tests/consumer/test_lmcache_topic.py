@@ -165,3 +165,15 @@ def test_salt_model_shared_and_tokenless_entries():
     (out,) = c.convert_record(b"lmc", record(4, entries=[entry(hs[1])]))
     (s,) = stores([out])
     assert s.block_size == 0 and len(s.token_ids) == 0 and s.parent_block_hash is None  # engine-hash mode
+
+
+def test_candidate_parents_are_bounded_and_the_oldest_go_first():
+    c = LmcacheTopicConverter(max_candidates=2)
+    seqs_ = [list(range(k, k + 8)) for k in (100, 200, 300)]
+    for i, s in enumerate(seqs_):
+        c.convert_record(b"lmc", record(i + 1, entries=chunk_entries(s[:4])))
+    (out,) = c.convert_record(b"lmc", record(4, entries=chunk_entries(seqs_[0], start=4)))
+    assert stores([out])[0].parent_block_hash == unknown_parent(hashes(seqs_[0])[1])  # forgotten: an orphan
+    (out,) = c.convert_record(b"lmc", record(5, entries=chunk_entries(seqs_[2], start=4)))
+    assert stores([out])[0].parent_block_hash == engine_id(hashes(seqs_[2])[0], "", "m")
+    assert sum(len(v) for v in c.instances["lmc"].by_end.values()) == len(c.instances["lmc"].lru) == 2
