@@ -4,7 +4,7 @@
 # API served on a socket so testcontainers and docker-py find it through DOCKER_HOST.
 
 PODMAN_SOCK=/run/podman/podman.sock
-ENGINE_PACKAGES=(podman runc fuse-overlayfs slirp4netns passt uidmap buildah debootstrap)
+ENGINE_PACKAGES=(podman runc fuse-overlayfs slirp4netns passt uidmap buildah debootstrap curl)
 
 engine_install() {
   local missing=()

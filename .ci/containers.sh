@@ -50,8 +50,23 @@ engine_setup
 command -v podman-compose >/dev/null || python -m pip install -q -e '.[test,containers]'
 
 step "images"
-KVWIRE_KAFKA_IMAGE=$(kvwire kafka image --app . | tail -n 1)
+KVWIRE_KAFKA_IMAGE=$(kvwire kafka image | tail -n 1)
 export KVWIRE_KAFKA_IMAGE KVWIRE_BASE_IMAGE=localhost/kvwire-base:bookworm KVWIRE_IMAGE=localhost/kvwire:dev
+# The app image gets the kvwire wheel of this checkout, built here: cargo reuses the release build
+# `pip install -e .` just made, where the Dockerfile's own source build (Debian's Rust toolchain,
+# then a full LTO compile) would add minutes to a cold run. Dependencies still come from PyPI.
+rm -rf build/docker-wheels
+app_log=$(mktemp)
+if ! python -m pip wheel -q --no-deps -w build/docker-wheels . >"$app_log" 2>&1; then
+  tail -n 60 "$app_log" >&2
+  exit 1
+fi
+if ! "${KVWIRE_ENGINE:-podman}" build --network host --build-arg "BASE=$KVWIRE_BASE_IMAGE" \
+  --build-arg KVWIRE_WHEELS=build/docker-wheels -t "$KVWIRE_IMAGE" . >"$app_log" 2>&1; then
+  tail -n 60 "$app_log" >&2
+  exit 1
+fi
+rm -f "$app_log"
 echo "::: broker image $KVWIRE_KAFKA_IMAGE, app image $KVWIRE_IMAGE" >&2
 # Superseded builds pile up on a warm machine; recent ones stay as the layer cache.
 "${KVWIRE_ENGINE:-podman}" image prune -f --filter until=48h >/dev/null 2>&1 || true

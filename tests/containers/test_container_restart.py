@@ -15,8 +15,10 @@ from ci_env import unavailable
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def private_container():
+    """One container for both restarts (each test uses its own topic and group): a container
+    start costs a JVM start."""
     from kvwire.broker.container import DockerKafka
 
     tc_broker.need_engine()
