@@ -15,7 +15,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -271,7 +271,7 @@ class LocalKafka:
         text = "".join(f"{k}={v}\n" for k, v in self.properties().items())
         self.config_path.write_text("# written by kvwire.broker.LocalKafka; edits are overwritten\n" + text)
 
-    def _java(self, *args: str, opts: list[str] = ()) -> list[str]:
+    def _java(self, *args: str, opts: Sequence[str] = ()) -> list[str]:
         return ["java", *opts, "-cp", f"{self.libs}/*", *args]
 
     def _format(self) -> None:
