@@ -319,6 +319,22 @@ def run_member(a: argparse.Namespace, http_workers: int, qdir: str, wrk: str) ->
             proc.wait()
 
 
+def _git_head() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except OSError:
+        return None
+
+
+def _core_built() -> str | None:
+    """When the Rust extension the member loads was built (a tree shared by several people
+    may rebuild it between runs)."""
+    from kvwire import _core
+
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(Path(_core.__file__).stat().st_mtime))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -366,7 +382,9 @@ def main(argv: list[str] | None = None) -> None:
             "http_on_ingest_loop": a.http_on_ingest_loop,
             "switch_interval_s": a.switch_interval or sys.getswitchinterval(),
             "cpus": os.cpu_count(),
-            "command": "python -m bench.http_score " + " ".join(argv),
+            "command": " ".join(["python -m bench.http_score", *argv]),
+            "git_head": _git_head(),
+            "core_built": _core_built(),
         },
         "members": [],
     }
