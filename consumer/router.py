@@ -16,15 +16,16 @@ member, fencing, snapshots) on its own event loop in a background thread::
 
 Token ids may be a list of ints, an ``array('I')`` or a uint32 numpy array (read in place).
 Like ``kvwire index``, the member joins its own consumer group by default (a full index
-per router); pass ``group`` to share partitions with other members.
+per router): ``kvwire-index.<topic>.<hostname>``, so two embedding routers on one host must
+pass distinct ``group`` names; pass a shared ``group`` to split partitions with other members.
 
 How a reader stays consistent while ingest applies: every record is applied whole inside
 one core call (``_core.apply_poll``, see ``rust/src/pipeline.rs``), and a score sees the
 index either before or after such a call, never inside one. A score runs in the core
 with the GIL released, so scores from several threads (this router's, or
 ``kvwire index --http-workers N``'s loops) walk the index at the same time; they hold the
-index's read side, and an apply waits for the scores in flight and holds its write side
-for the record (``rust/src/py_index.rs``, ``Shared``). No reader sees half a record: a
+index's read side, and an apply call waits for the scores in flight and holds its write
+side until it returns (``rust/src/py_index.rs``, ``Shared``). No reader sees half a record: a
 score equals the one the oracle gives for some prefix of the applied records
 (``tests/consumer/test_router.py``).
 """
