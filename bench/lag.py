@@ -146,6 +146,9 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
             self.at: list[int] = []
             self.lag: list[int] = []
             self.append_ms: list[int] = []
+            # The core reports one lag per slice (its oldest record's): the records it stands for.
+            self.weight: list[int] = []
+            self.pending_weight = 1
             self.record_ts_ms = 0
 
         def observe_lag_us(self, lag_us: int) -> None:
@@ -153,8 +156,13 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
             self.at.append(time.time_ns() // 1000)
             self.lag.append(lag_us)
             self.append_ms.append(self.record_ts_ms)
+            self.weight.append(self.pending_weight)
 
     class StampingApplier(Applier):
+        def _account(self, tally):
+            self.metrics.pending_weight = max(1, tally[0] - tally[1] - tally[2])  # records applied
+            super()._account(tally)
+
         # The core reports one lag per slice, its oldest record's: stamp that record's append time.
         def apply_records(self, topic, partition, recs, start=0, **kw):
             if start < len(recs):
@@ -182,9 +190,11 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
         await member.stop()
         np.savez(
             out_path,
-            at=np.array(m.at, np.int64),
-            lag=np.array(m.lag, np.int64),
-            append_ms=np.array(m.append_ms, np.int64),
+            # One sample per applied record: a slice's oldest lag stands for each of its records
+            # (an upper bound for the others).
+            at=np.repeat(np.array(m.at, np.int64), m.weight),
+            lag=np.repeat(np.array(m.lag, np.int64), m.weight),
+            append_ms=np.repeat(np.array(m.append_ms, np.int64), m.weight),
             holder_blocks=len(member.applier.index),
         )
 
