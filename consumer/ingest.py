@@ -301,6 +301,7 @@ class IndexMember:
         self._ready = False
         self._assigning = True
         c = self._consumer
+        assert c is not None  # start() made it; rebalances only happen after
         # aiokafka installs the assignment before calling us, so it is already
         # fetching while we await the snapshot store; records it hands to _run
         # now are dropped (not yet assigned) and would move the position past
@@ -355,6 +356,7 @@ class IndexMember:
 
     async def _run(self) -> None:
         c = self._consumer
+        assert c is not None  # started by start() before this task
         a = self.applier
         expire_every = max(1.0, self.config.heartbeat_timeout_s / 4)
         last_expire = time.monotonic()
@@ -428,6 +430,7 @@ class IndexMember:
                 ("kvwire-source-offset", str(d.offset).encode()),
                 ("kvwire-source-timestamp", str(d.timestamp_ms).encode()),
             ]
+            assert self._producer is not None  # started with the consumer
             futs.append(
                 # A null-key tombstone is a legal record that our client refuses to write back:
                 # an empty key (the source coordinates are in the headers anyway).
@@ -453,9 +456,12 @@ class IndexMember:
         m.workers.labels("false").set(len(untrusted & known))
         # During an eager rebalance aiokafka has already dropped the partitions we keep in
         # self.assigned until the new assignment is known, and its highwater() asserts on them.
-        held = self._consumer.assignment()
+        c = self._consumer
+        if c is None:
+            return
+        held = c.assignment()
         for p in self.assigned:
             tp = TopicPartition(self.config.topic, p)
-            hw = self._consumer.highwater(tp) if tp in held else None
+            hw = c.highwater(tp) if tp in held else None
             if hw is not None:
                 m.consumer_lag.labels(str(p)).set(max(0, hw - self.applier.positions.get(p, 0)))
