@@ -65,6 +65,12 @@ def index(
         min=1,
         help="Event loops serving HTTP on one SO_REUSEPORT port over the one index (scores run without the GIL)",
     ),
+    lmcache_topic: str | None = typer.Option(
+        None,
+        "--lmcache-topic",
+        help="Also index LMCache's MP coordinator topic (its KafkaCacheEventSink's JSON cache events)",
+    ),
+    lmcache_model: str | None = typer.Option(None, "--lmcache-model", help="Keep only this model from --lmcache-topic"),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Build a prefix-cache index from the topic and serve it over HTTP."""
@@ -88,6 +94,8 @@ def index(
             snapshot_retry,
             kafka_config,
             http_workers,
+            lmcache_topic=lmcache_topic,
+            lmcache_model=lmcache_model,
         )
     )
     if code:
@@ -111,6 +119,8 @@ async def _run(
     snapshot_retry=1.0,
     kafka_config=None,
     http_workers=1,
+    lmcache_topic=None,
+    lmcache_model=None,
 ) -> int:
     from kvwire.consumer.http import HttpWorkers, make_app
     from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
@@ -143,6 +153,11 @@ async def _run(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await member.start()
+    feed = None
+    if lmcache_topic:
+        from kvwire.consumer.lmcache_feed import feed_member
+
+        feed = await feed_member(member, lmcache_topic, lmcache_model)
     # HTTP on threads only: a flood of requests then competes with ingest for the GIL, not
     # for ingest's own loop (sharing it, ingest fell to a third of its rate under load).
     runner = HttpWorkers(
@@ -173,6 +188,8 @@ async def _run(
         for f in (stopped, failed):
             f.cancel()
         await runner.cleanup()
+        if feed is not None:
+            await feed.stop()
         await member.stop()
     if failed.done() and not failed.cancelled():
         typer.echo(f"kvwire index: unhealthy, exiting: {failed.result()}", err=True)

@@ -283,3 +283,44 @@ async def test_a_coordinator_topic_created_after_the_feed_started_is_read(kafka_
     finally:
         await feed.stop()
         await delete_topics(kafka_bootstrap, [topic])
+
+
+def test_kvwire_index_serves_the_coordinator_topic(kafka_bootstrap, new_topic):
+    """`kvwire index --lmcache-topic`: the real command, its HTTP API answering for LMCache's blocks."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    events_topic, lm_topic = new_topic(), new_topic()
+    toks = seqs(random.Random(21), 3 * CHUNK)
+    srv = MpServer(kafka_bootstrap, lm_topic, "lmc-cli", incarnation=1, chunk=CHUNK)
+    srv.store(toks)
+    srv.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "kvwire.cli", "index", "-b", kafka_bootstrap, "-t", events_topic]
+    cmd += ["--http", f"127.0.0.1:{port}", "--no-snapshots", "--lmcache-topic", lm_topic, "--lmcache-model", "m"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        got, end = None, time.monotonic() + 120
+        while time.monotonic() < end and proc.poll() is None:
+            try:
+                req = urllib.request.Request(
+                    f"http://127.0.0.1:{port}/v1/score", data=json.dumps({"token_ids": toks}).encode(), method="POST"
+                )
+                scores = json.loads(urllib.request.urlopen(req, timeout=5).read())["scores"]
+                got = {s["instance_id"]: s["matched_tokens"] for s in scores}.get("lmc-cli")
+                if got:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert got == srv.expected_tokens(toks) == 3 * CHUNK
+    finally:
+        proc.terminate()
+        proc.wait(30)
