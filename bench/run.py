@@ -296,6 +296,8 @@ def main(argv=None) -> int:
 
         bootstrap = resolve_bootstrap()
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    if a.only == []:  # nothing re-run: say so, the figures are each step's own last run
+        mode = "summary of each step's last run on disk (see each JSON's _machine.when)"
     env = dict(os.environ, KVWIRE_BENCH_RESULTS=str(RESULTS), PYTHONUNBUFFERED="1")
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
