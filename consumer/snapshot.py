@@ -59,7 +59,7 @@ import msgspec
 import xxhash
 
 from kvwire.options import admin_options
-from kvwire.topics import Replication
+from kvwire.topics import Replication, partition_count
 
 from .apply import Applier
 from .rank_state import RETIRED_EPOCHS, RankState
@@ -289,16 +289,6 @@ class KafkaStore:
         await admin.start()
         return admin
 
-    async def _describe(self, admin, topic: str) -> int | None:
-        try:
-            desc = await admin.describe_topics([topic])
-        except Exception:
-            return None
-        for t in desc:
-            if t.get("topic") == topic and t.get("error_code", 0) == 0 and t.get("partitions"):
-                return len(t["partitions"])
-        return None
-
     async def _ensure_topic(self, create: bool) -> int | None:
         if self._partitions is not None:
             return self._partitions
@@ -307,9 +297,9 @@ class KafkaStore:
             # Describe only what exists: a metadata request for a missing topic auto-creates it
             # on a broker that allows that, with the broker's defaults instead of ours.
             existing = set(await admin.list_topics())
-            n = await self._describe(admin, self.topic) if self.topic in existing else None
+            n = await partition_count(admin, self.topic) if self.topic in existing else None
             src = self.source_topic
-            want = (await self._describe(admin, src) if src and src in existing else None) or 1
+            want = (await partition_count(admin, src) if src and src in existing else None) or 1
         finally:
             await admin.close()
         if n is None and create:
