@@ -222,12 +222,64 @@ def faults_table(res: Results) -> str:
     return "\n".join(out)
 
 
+def kafka_side_block(res: Results) -> str:
+    """aiokafka's fetch ceiling and what coalescing engine steps per record buys (bench/kafka_side.py)."""
+    k = res.get("kafka_side") or {}
+    grid = k.get("fetch_grid") or []
+    if not grid:
+        return "Kafka side: not measured yet (`python -m bench.kafka_side`)."
+    out = [
+        f"Fetch alone (`getmany`, no decode; {fmt(k.get('records'))} records of {fmt(k.get('blocks_per_record'))} "
+        f"blocks, {fmt(k.get('partitions'))} partitions; median of {fmt(grid[0].get('reps'))} reads; "
+        f"load average {fmt(k.get('load_avg_1m'))}):",
+        "",
+        "| max_records | fetch bytes | fetch_max_wait_ms | blocks/s | blocks per CPU-s | MB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in grid:
+        out.append(
+            f"| {fmt(r.get('max_records'))} | {fmt((r.get('fetch_bytes') or 0) / 2**20, ' MiB')} "
+            f"| {fmt(r.get('fetch_max_wait_ms'))} | {fmt(r.get('blocks_per_s'))} | {fmt(r.get('blocks_per_cpu_s'))} "
+            f"| {fmt(r.get('mb_per_s'))} |"
+        )
+    out += ["", "Fetch + `Applier.apply_records` per poll, as the member does:", ""]
+    out += ["| setting | blocks/s | blocks per CPU-s |", "|---|---|---|"]
+    for label, r in (k.get("fetch_and_apply") or {}).items():
+        out.append(f"| {label.replace('_', ' ')} | {fmt(r.get('blocks_per_s'))} | {fmt(r.get('blocks_per_cpu_s'))} |")
+    core = k.get("core_only") or {}
+    at_target = k.get("one_core_ceiling_at_core_target_blocks_per_s")
+    verdict = "" if at_target is None else (": the fetch alone keeps one member under 2M" if at_target < 2e6 else "")
+    out += [
+        "",
+        f"The core alone on the same bytes: {fmt(core.get('blocks_per_s'))} blocks/s "
+        f"({fmt(core.get('blocks_per_cpu_s'))} per CPU-s); the fetch is {fmt(100 * (k.get('fetch_share_of_cpu') or 0), '%')} "
+        f"of one core's work per block, so one core tops out at {fmt(k.get('one_core_ceiling_blocks_per_s'))} blocks/s, "
+        f"and at {fmt(k.get('one_core_ceiling_at_core_target_blocks_per_s'))} blocks/s with the core at its "
+        f"5M target{verdict}.",
+        "",
+        "Coalescing 8-block engine steps per record (publisher's producer settings), then applying:",
+        "",
+        "| steps/record | B/block | produce records/s | produce CPU µs/block | encode CPU µs/block "
+        "| apply CPU µs/block | apply blocks/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, r in sorted((k.get("coalesce") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append(
+            f"| {fmt(r.get('steps_per_record'))} | {fmt(r.get('value_bytes_per_block'))} "
+            f"| {fmt(r.get('produce_records_per_s'))} | {fmt(r.get('produce_cpu_us_per_block'))} "
+            f"| {fmt(r.get('encode_cpu_us_per_block'))} | {fmt(r.get('apply_cpu_us_per_block'))} "
+            f"| {fmt(r.get('apply_blocks_per_s'))} |"
+        )
+    return "\n".join(out)
+
+
 BLOCKS: dict[str, Callable[[Results], str]] = {
     "results": results_table,
     "targets": targets_table,
     "codec": codec_paragraph,
     "replay": replay_sentence,
     "faults": faults_table,
+    "kafka_side": kafka_side_block,
 }
 
 # The body is whole lines (or nothing, in a README not yet rendered).
