@@ -72,6 +72,8 @@ def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
         ),
         ("lag", ["-m", "bench.lag", *b, *(["--rates", "200", "400", "--seconds", "1"] if tiny else q)], 900),
     ]
+    if not tiny:  # fetch grid, fetch + apply, coalescing: minutes even at --quick, so not in the smoke run
+        out.append(("kafka_side", ["-m", "bench.kafka_side", *q], 1200))
     if not tiny or shutil.which("wrk"):
         # wrk (apt-get install -y wrk) is its load generator; the smoke run skips the step without it.
         hs = ["--holder-blocks", "30000", "--seconds", "1", "--n-queries", "8", "--workers", "1"] if tiny else q
