@@ -168,6 +168,7 @@ class Applier:
             (batch.epoch, batch.seq, batch.ts_us, batch.reset, batch.gap),
             evs,
             time.time_ns() // 1000,
+            batch.source,
         )
         self._account(tally)
         v = VERDICTS[verdict] if verdict < len(VERDICTS) else Verdict.APPLY
@@ -242,11 +243,18 @@ class Applier:
         """Scores of trusted workers only: a worker with a gap scores nothing."""
         untrusted = self.ranks.untrusted_workers()
         if isinstance(self.index, PrefixIndex):
-            return self.index.score(token_ids, lora_name=lora_name, exclude=untrusted, **kw)
+            out = self.index.score(token_ids, lora_name=lora_name, exclude=untrusted, **kw)
+        else:
+            out = [
+                s
+                for s in self.index.score(token_ids, lora_name=lora_name, **kw)
+                if (s.instance_id, s.dp_rank) not in untrusted
+            ]
+        approx = self.ranks.approximate_workers()
+        if not approx:
+            return out
         return [
-            s
-            for s in self.index.score(token_ids, lora_name=lora_name, **kw)
-            if (s.instance_id, s.dp_rank) not in untrusted
+            msgspec.structs.replace(s, approximate=True) if (s.instance_id, s.dp_rank) in approx else s for s in out
         ]
 
     def score_json(
@@ -263,6 +271,7 @@ class Applier:
         out = []
         by_worker: dict[tuple[str, int], list[tuple[int, RankState]]] = defaultdict(list)
         tps = self.ranks.tp_size
+        approx = self.ranks.approximate_workers()
         for (inst, dp, tp), st in self.ranks.ranks.items():
             by_worker[(inst, dp)].append((tp, st))
         for worker, ranks in sorted(by_worker.items()):
@@ -277,6 +286,7 @@ class Applier:
                     "blocks_by_medium": by_medium,
                     "orphans": s.orphans if s is not None else 0,
                     "trusted": self.ranks.worker_trusted(worker),
+                    "approximate": worker in approx,
                     "ranks": [
                         {
                             "tp_rank": tp,

@@ -3,7 +3,7 @@
 ``POST /v1/score``   {"token_ids": [...], "lora_name": null} -> scores, best first; or the token
                      ids as a little-endian uint32 body (``application/octet-stream``) with
                      ``lora_name``, ``block_size``, ``top_k``, ``local`` as query parameters
-``GET  /v1/workers`` per worker: blocks, epochs, last seqs, trust, last seen
+``GET  /v1/workers`` per worker: blocks, epochs, last seqs, trust (and whether approximate), last seen
 ``GET  /v1/digest``  order-independent digest of the index (replay checks)
 ``GET  /healthz``    200 once caught up with the end offsets seen at start and healthy, else 503
 ``GET  /metrics``    Prometheus

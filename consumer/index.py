@@ -85,12 +85,14 @@ class IndexOverflow(RuntimeError):
     """A reference count hit its ceiling: none of the call's events were applied."""
 
 
-class WorkerScore(msgspec.Struct, frozen=True):
+class WorkerScore(msgspec.Struct, frozen=True, omit_defaults=True):
     instance_id: str
     dp_rank: int
     matched_tokens: int
     by_medium: dict[str, int]
     score: float
+    # The worker's source cannot observe removals: the credit may name blocks it no longer holds.
+    approximate: bool = False
 
 
 class WorkerStats(msgspec.Struct, frozen=True):

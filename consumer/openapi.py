@@ -32,6 +32,10 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
             "matched_tokens": {"type": "integer", "minimum": 0},
             "by_medium": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0}},
             "score": {"type": "number"},
+            "approximate": {
+                "type": "boolean",
+                "description": "present (true) when the worker's source cannot observe removals",
+            },
         },
     }
     request = {
@@ -102,6 +106,10 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
             "blocks_by_medium": {"type": "object", "additionalProperties": {"type": "integer"}},
             "orphans": {"type": "integer"},
             "trusted": {"type": "boolean"},
+            "approximate": {
+                "type": "boolean",
+                "description": "a rank's latest record came from a source that cannot observe removals",
+            },
             "ranks": {"type": "array", "items": rank},
         },
     }

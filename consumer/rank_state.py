@@ -73,7 +73,16 @@ class RankTable:
     def admit(self, batch: EventBatch) -> Verdict:
         w = batch.worker
         v = self.core.admit(
-            w.instance_id, w.dp_rank, w.tp_rank, w.tp_size, batch.epoch, batch.seq, batch.ts_us, batch.reset, batch.gap
+            w.instance_id,
+            w.dp_rank,
+            w.tp_rank,
+            w.tp_size,
+            batch.epoch,
+            batch.seq,
+            batch.ts_us,
+            batch.reset,
+            batch.gap,
+            batch.source,
         )
         return VERDICTS[v]
 
@@ -112,6 +121,12 @@ class RankTable:
 
     def untrusted_workers(self) -> set[tuple[str, int]]:
         return {(i, d) for i, d in self.core.untrusted_workers()}
+
+    def approximate_workers(self) -> set[tuple[str, int]]:
+        """Workers one of whose ranks' latest record came from a source that cannot
+        observe removals (its ``source`` ends in "/approximate"): their blocks may
+        outlive the engine's, so what credits them is marked approximate."""
+        return {(i, d) for i, d in self.core.approximate_workers()}
 
     def known_workers(self) -> set[tuple[str, int]]:
         return {(i, d) for i, d in self.core.workers()}

@@ -43,6 +43,10 @@ pub struct RankState {
     pub reason: String,
     pub records: i64,
     pub gaps: i64,
+    /// The rank's latest record came from a source that cannot observe
+    /// removals: its blocks may outlive the engine's, so its scores are
+    /// marked approximate. Each admitted record sets it afresh.
+    pub approximate: bool,
 }
 
 /// One record's fencing input.
@@ -57,6 +61,7 @@ pub struct Stamp<'a> {
     pub ts_us: i64,
     pub reset: bool,
     pub gap: i64,
+    pub approximate: bool,
 }
 
 #[derive(Default)]
@@ -75,6 +80,7 @@ fn distrust(st: &mut RankState, why: String) {
 fn note(st: &mut RankState, s: &Stamp) {
     st.records += 1;
     st.last_seen_us = st.last_seen_us.max(s.ts_us);
+    st.approximate = s.approximate;
     if s.gap != 0 {
         st.gaps += s.gap;
         distrust(st, format!("producer lost {} batch(es) before seq {}", s.gap, s.seq));
@@ -112,6 +118,7 @@ impl Fence {
                 reason: String::new(),
                 records: 0,
                 gaps: 0,
+                approximate: s.approximate,
             };
             if !s.reset {
                 distrust(&mut st, "joined mid-stream (no reset record seen)".into());
@@ -217,6 +224,17 @@ impl Fence {
         self.workers().into_iter().filter(|(i, d)| !self.worker_trusted(i, *d)).collect()
     }
 
+    /// Workers any of whose ranks' latest record came from an approximate source.
+    pub fn approximate_workers(&self) -> Vec<(&str, i64)> {
+        let mut out: Vec<(&str, i64)> = vec![];
+        for (i, d, _, st) in self.all() {
+            if st.approximate && !out.iter().any(|(a, b)| *a == i && *b == d) {
+                out.push((i, d));
+            }
+        }
+        out
+    }
+
     pub fn expired(&self, now_us: i64, timeout_us: i64) -> Vec<(String, i64, i64)> {
         let mut out = vec![];
         for (inst, m) in &self.ranks {
@@ -273,7 +291,33 @@ mod tests {
     use super::*;
 
     fn st(epoch: i64, seq: i64, reset: bool, gap: i64) -> Stamp<'static> {
-        Stamp { inst: "a", dp: 0, tp_rank: 0, tp_size: 1, epoch, seq, ts_us: 0, reset, gap }
+        Stamp { inst: "a", dp: 0, tp_rank: 0, tp_size: 1, epoch, seq, ts_us: 0, reset, gap, approximate: false }
+    }
+
+    #[test]
+    fn approximate_follows_the_latest_record() {
+        let mut f = Fence::new();
+        let a = |tp_rank, epoch, seq, reset, approximate| Stamp {
+            inst: "a",
+            dp: 0,
+            tp_rank,
+            tp_size: 2,
+            epoch,
+            seq,
+            ts_us: 0,
+            reset,
+            gap: 0,
+            approximate,
+        };
+        f.admit(&a(0, 1, 0, true, false));
+        f.admit(&a(1, 1, 0, true, true));
+        assert_eq!(f.approximate_workers(), vec![("a", 0)]);
+        // A duplicate says nothing new about the rank.
+        f.admit(&a(1, 1, 0, true, false));
+        assert_eq!(f.approximate_workers(), vec![("a", 0)]);
+        // A new epoch from a source that observes removals clears it.
+        f.admit(&a(1, 2, 0, true, false));
+        assert!(f.approximate_workers().is_empty());
     }
 
     #[test]

@@ -261,7 +261,13 @@ fn stamp<'a>(rec: &'a Record) -> Stamp<'a> {
         ts_us: rec.ts_us,
         reset: rec.reset,
         gap: rec.gap,
+        approximate: is_approximate(rec.source),
     }
+}
+
+/// A source that cannot observe removals says so with this suffix (producer/connector.py, lmcache_source.py).
+pub fn is_approximate(source: &str) -> bool {
+    source.ends_with("/approximate")
 }
 
 fn tally_tuple<'py>(py: Python<'py>, t: &Tally) -> PyResult<Bound<'py, PyTuple>> {
@@ -337,6 +343,7 @@ pub fn apply_poll<'py>(
 /// the fast path declined). `events` are `PrefixIndex`'s event tuples.
 /// Returns (verdict, tally, dead-letter reason or None).
 #[pyfunction]
+#[pyo3(signature = (index, fence, worker, stamp, events, now_us, source=""))]
 #[allow(clippy::too_many_arguments)]
 pub fn apply_decoded<'py>(
     py: Python<'py>,
@@ -346,6 +353,7 @@ pub fn apply_decoded<'py>(
     stamp: (i64, i64, i64, bool, i64),
     events: &Bound<'py, PyList>,
     now_us: i64,
+    source: &str,
 ) -> PyResult<(u8, Bound<'py, PyTuple>, Option<String>)> {
     let mut owned = Vec::with_capacity(events.len());
     for e in events.iter() {
@@ -354,7 +362,8 @@ pub fn apply_decoded<'py>(
     let mut evs = borrow_events(&owned);
     let (inst, dp, tp_rank, tp_size) = &worker;
     let (epoch, seq, ts_us, reset, gap) = stamp;
-    let s = Stamp { inst, dp: *dp, tp_rank: *tp_rank, tp_size: *tp_size, epoch, seq, ts_us, reset, gap };
+    let approximate = is_approximate(source);
+    let s = Stamp { inst, dp: *dp, tp_rank: *tp_rank, tp_size: *tp_size, epoch, seq, ts_us, reset, gap, approximate };
     let mut ixg = index.borrow_mut();
     let mut fg = fence.borrow_mut();
     let mut t = Tally::default();
@@ -395,6 +404,7 @@ impl PyFence {
     }
 
     /// The verdict (0 apply, 1 reset, 2 duplicate, 3 stale epoch) for one record.
+    #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, source=""))]
     #[allow(clippy::too_many_arguments)]
     fn admit(
         &mut self,
@@ -407,8 +417,14 @@ impl PyFence {
         ts_us: i64,
         reset: bool,
         gap: i64,
+        source: &str,
     ) -> u8 {
-        self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap }) as u8
+        let approximate = is_approximate(source);
+        self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, approximate }) as u8
+    }
+
+    fn approximate_workers(&self) -> Vec<(String, i64)> {
+        self.fence.approximate_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
     fn worker_trusted(&self, inst: &str, dp: i64) -> bool {
@@ -481,7 +497,18 @@ impl PyFence {
         records: i64,
         gaps: i64,
     ) {
-        let st = RankState { epoch, last_seq, trusted, last_seen_us, retired: retired.into(), reason, records, gaps };
+        // Snapshots do not carry it: a restored rank reads as exact until its next record says otherwise.
+        let st = RankState {
+            epoch,
+            last_seq,
+            trusted,
+            last_seen_us,
+            retired: retired.into(),
+            reason,
+            records,
+            gaps,
+            approximate: false,
+        };
         self.fence.restore(inst, dp, tp_rank, st, tp_size);
     }
 }
@@ -497,8 +524,11 @@ pub fn score_trusted<'py>(
     top_k: Option<usize>,
     as_json: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let untrusted = PyList::new(py, fence.borrow().fence.untrusted_workers())?;
-    PyIndex::score(index, py, queries, None, None, Some(untrusted.as_any()), top_k, as_json)
+    let (untrusted, approx) = {
+        let f = fence.borrow();
+        (PyList::new(py, f.fence.untrusted_workers())?, PyList::new(py, f.fence.approximate_workers())?)
+    };
+    PyIndex::score(index, py, queries, None, None, Some(untrusted.as_any()), top_k, as_json, Some(approx.as_any()))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

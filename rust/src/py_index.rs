@@ -332,8 +332,9 @@ fn json_str(out: &mut String, s: &str) {
     out.push('"');
 }
 
-/// The `/v1/score` "scores" list as JSON, straight from the arrays.
-pub fn scores_json(ix: &Index, s: &Scores) -> String {
+/// The `/v1/score` "scores" list as JSON, straight from the arrays. An entry
+/// whose worker id is set in `approx` carries `"approximate":true`.
+pub fn scores_json(ix: &Index, s: &Scores, approx: Option<&[bool]>) -> String {
     use std::fmt::Write;
     let mut out = String::with_capacity(64 + s.worker.len() * 96);
     out.push('[');
@@ -354,6 +355,9 @@ pub fn scores_json(ix: &Index, s: &Scores) -> String {
         }
         out.push_str("},\"score\":");
         json_f64(&mut out, s.score[i]);
+        if approx.is_some_and(|a| a.get(s.worker[i] as usize).copied().unwrap_or(false)) {
+            out.push_str(",\"approximate\":true");
+        }
         out.push('}');
     }
     out.push(']');
@@ -422,7 +426,8 @@ impl PyIndex {
     /// Score queries, each ("t", tokens buffer, block_size, ctx bytes | None, lora)
     /// or ("k", keys bytes, tokens per key); returns `scores_tuple` arrays,
     /// or the JSON list when `as_json`. The walk runs without the GIL (see `Shared`).
-    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
+    /// `approximate`: workers whose JSON entries are marked approximate.
+    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false, approximate=None))]
     #[allow(clippy::too_many_arguments)]
     pub fn score<'py>(
         slf: &Bound<'py, Self>,
@@ -433,6 +438,7 @@ impl PyIndex {
         exclude: Option<&Bound<'py, PyAny>>,
         top_k: Option<usize>,
         as_json: bool,
+        approximate: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let mut bufs = vec![];
         let mut ctxs: Vec<Option<Vec<u64>>> = vec![];
@@ -471,7 +477,7 @@ impl PyIndex {
         }
         // Weights, mask and the reader registration in one GIL-held step: they see the
         // same index the walk will.
-        let (wts, mask, reader) = {
+        let (wts, mask, approx, reader) = {
             let this = loop {
                 match slf.try_borrow() {
                     Ok(b) => break b,
@@ -491,12 +497,16 @@ impl PyIndex {
                     None => ex,
                 });
             }
-            (wts, mask, this.ix.read())
+            let approx = match approximate {
+                Some(a) => Some(this.mask(a, true)?),
+                None => None,
+            };
+            (wts, mask, approx, this.ix.read())
         };
         let (s, json) = py.detach(move || {
             let ix = reader.index();
             let s = ix.score(&qs, &wts, mask.as_deref(), top_k);
-            let json = if as_json { Some(scores_json(ix, &s)) } else { None };
+            let json = if as_json { Some(scores_json(ix, &s, approx.as_deref())) } else { None };
             (s, json)
             // `reader` drops here, before the GIL is taken back: a waiting writer goes on.
         });
