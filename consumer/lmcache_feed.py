@@ -30,6 +30,7 @@ from .lmcache_topic import LmcacheTopicConverter, TopicRecordError
 log = logging.getLogger(__name__)
 
 PARTITION_BASE = -1_000_000
+METADATA_MAX_AGE_MS = 5000
 
 
 def applier_partition(partition: int) -> int:
@@ -119,12 +120,15 @@ class LmcacheTopicFeed:
     async def start(self) -> None:
         # A group of its own, never committing: it only makes Kafka hand this feed every
         # partition, including a topic created after the index started and partitions added later.
+        opts = dict(self.client_options)
         c = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
             group_id=f"kvwire-lmcache-feed-{uuid.uuid4().hex[:12]}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            **self.client_options,
+            # A topic LMCache creates later is only seen at a metadata refresh (aiokafka: 5 min).
+            metadata_max_age_ms=opts.pop("metadata_max_age_ms", METADATA_MAX_AGE_MS),
+            **opts,
         )
         await c.start()
         self._consumer = c

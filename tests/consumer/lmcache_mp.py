@@ -139,8 +139,13 @@ class MpServer:
 
         self._raise(EventType.L1_KEYS_ACCESSED, keys=self.keys(hashes, 0))
 
-    def flush(self) -> None:
+    def flush(self, delivered: bool = False) -> None:
+        """Flush the subscriber's pending batches; ``delivered``: also wait until the broker
+        has them (LMCache's sink publishes asynchronously; two servers' records otherwise
+        race each other into the topic)."""
         self.sub.flush()
+        if delivered and self.kafka is not None:
+            self.kafka._producer.flush(60)
 
     def close(self) -> None:
         self.sub.shutdown()  # flushes the subscriber, then the producer (waits for the broker)

@@ -125,7 +125,7 @@ async def test_restart_fences_the_old_incarnation(kafka_bootstrap, new_topic):
     old_toks, new_toks, late_toks = seqs(rng, 2 * CHUNK), seqs(rng, 2 * CHUNK), seqs(rng, 2 * CHUNK)
     old = MpServer(kafka_bootstrap, topic, "lmc-r", incarnation=100, chunk=CHUNK)
     old.store(old_toks)
-    old.flush()
+    old.flush(delivered=True)
     new = MpServer(kafka_bootstrap, topic, "lmc-r", incarnation=200, chunk=CHUNK)
     new.store(new_toks)
     new.close()
