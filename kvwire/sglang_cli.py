@@ -51,7 +51,7 @@ def sglang_bridge(
         )
     )
     # One SGLang publisher per independent KV cache (attention TP rank 0): one rank per worker.
-    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source=SOURCE)
+    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source=SOURCE, state_known=False)
     br = SglangBridge(
         BridgeConfig(
             zmq_endpoint,
