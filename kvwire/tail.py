@@ -250,6 +250,10 @@ async def _position(consumer, tps, start: str | int) -> None:
             await consumer.seek_to_end(*late)
 
 
+# How long records known to exist may fail to arrive before --timeout stops anyway (broker gone).
+_BACKLOG_STALL_S = 60.0
+
+
 async def run_tail(opts: TailOptions, out: IO[str]) -> int:
     """Prints records until --max-records or --timeout (idle); returns how many were printed."""
     from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -287,6 +291,10 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
             raise TailError(str(e)) from None
         loop = asyncio.get_running_loop()
         printed = 0
+        # --timeout counts idle time once the records that existed at the start have been read:
+        # a slow first fetch (a loaded machine, a broker in a container) is not "nothing more".
+        backlog = await consumer.end_offsets(tps)
+        stalled_since = loop.time()
         idle_until = None if opts.timeout_s is None else loop.time() + opts.timeout_s
         while opts.max_records is None or printed < opts.max_records:
             wait = 1.0 if idle_until is None else max(0.0, min(1.0, idle_until - loop.time()))
@@ -307,10 +315,15 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
                 if opts.max_records is not None and printed >= opts.max_records:
                     break
             out.flush()
-            if got and opts.timeout_s is not None:
-                idle_until = loop.time() + opts.timeout_s
+            if got:
+                stalled_since = loop.time()
+                if opts.timeout_s is not None:
+                    idle_until = loop.time() + opts.timeout_s
             elif idle_until is not None and loop.time() >= idle_until:
-                break
+                behind = [tp for tp in tps if await consumer.position(tp) < backlog[tp]]
+                if not behind or loop.time() - stalled_since > max(_BACKLOG_STALL_S, opts.timeout_s or 0):
+                    break
+                idle_until = loop.time() + min(1.0, opts.timeout_s or 1.0)
         return printed
     finally:
         await consumer.stop()
