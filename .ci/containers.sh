@@ -76,11 +76,13 @@ step "testcontainers pytest"
 (
   unset KAFKA_BOOTSTRAP_SERVERS
   export KVWIRE_TEST_BROKER=testcontainers CI="${CI:-true}"
+  # The restart tests last: after the session broker's container has been restarted, tail's
+  # single-partition reads came back empty (not yet understood; see the issue note).
   python -m pytest -q -p no:cacheprovider \
-    tests/containers \
     tests/consumer/test_oracle_through_kafka.py \
     tests/consumer/test_replay.py \
-    tests/cli/test_tail.py
+    tests/cli/test_tail.py \
+    tests/containers
 )
 
 step "compose up"
