@@ -76,12 +76,13 @@ step "testcontainers pytest"
 (
   unset KAFKA_BOOTSTRAP_SERVERS
   export KVWIRE_TEST_BROKER=testcontainers CI="${CI:-true}"
-  # The restart tests last: after the session broker's container has been restarted, tail's
-  # single-partition reads came back empty (not yet understood; see the issue note).
+  # tail in a session (and broker container) of its own: after the other tests ran on the same
+  # container, tail's single-partition reads came back empty (not yet understood; see the issue
+  # note). Against the host broker, in the main stage, the same tests pass after the others.
+  python -m pytest -q -p no:cacheprovider tests/cli/test_tail.py
   python -m pytest -q -p no:cacheprovider \
     tests/consumer/test_oracle_through_kafka.py \
     tests/consumer/test_replay.py \
-    tests/cli/test_tail.py \
     tests/containers
 )
 
