@@ -20,7 +20,7 @@ def unavailable(reason: str) -> NoReturn:
     """Fail under CI, skip elsewhere."""
     if in_ci():
         pytest.fail(reason, pytrace=False)
-    pytest.skip(reason)
+    pytest.skip(reason, allow_module_level=True)
 
 
 def need_java_and_mvn(what: str = "a private broker") -> None:
