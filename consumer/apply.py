@@ -258,10 +258,16 @@ class Applier:
         ]
 
     def score_json(
-        self, token_ids: Any, lora_name: str | None = None, block_size: int | None = None, top_k: int | None = None
+        self,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        top_k: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> bytes:
-        """``score`` as the JSON list /v1/score returns, hashed, walked, ordered and encoded in the core."""
-        qs = self.index._queries(token_ids, lora_name, block_size, None)
+        """``score`` as the JSON list /v1/score returns, hashed, walked, ordered and encoded in the core.
+        ``extra_keys``: one entry per block, as vLLM publishes them (``kvwire.consumer.tenants``)."""
+        qs = self.index._queries(token_ids, lora_name, block_size, extra_keys)
         out: bytes = _core.score_trusted(self.index.core, self.ranks.core, qs, top_k, True)
         return out
 

@@ -2,7 +2,10 @@
 
 ``POST /v1/score``   {"token_ids": [...], "lora_name": null} -> scores, best first; or the token
                      ids as a little-endian uint32 body (``application/octet-stream``) with
-                     ``lora_name``, ``block_size``, ``top_k``, ``local`` as query parameters
+                     ``lora_name``, ``cache_salt``, ``extra_keys`` (JSON text), ``block_size``,
+                     ``top_k``, ``local`` as query parameters
+``POST /v1/route``   {"token_ids": [...], "candidates"?: [...]} -> the worker to send the prompt
+                     to; records a speculative hold on it (``kvwire.consumer.holds``)
 ``GET  /v1/workers`` per worker: blocks, epochs, last seqs, trust (and whether approximate), last seen
 ``GET  /v1/digest``  order-independent digest of the index (replay checks)
 ``GET  /healthz``    200 once caught up with the end offsets seen at start and healthy, else 503
@@ -18,8 +21,16 @@ than ``max_tokens`` tokens gets 413, anything malformed gets 400 — never 500.
 Why a binary body: an 8k-token prompt is ~55 KB of JSON that costs ~200 µs to parse, more
 than the score itself; as packed uint32 it is 32 KB read in place (no copy, no parse). Both
 forms reach the same ``Applier.score_json`` (the core hashes, walks, orders and encodes),
-so they answer byte for byte the same. There is no ``cache_salt``: the JSON form has none
-(a salted prompt's blocks are keyed by the engine, which the index does not see).
+so they answer byte for byte the same.
+
+Tenants: ``cache_salt`` and ``extra_keys`` (per block, as vLLM publishes them in BlockStored)
+key a query the way the engine keyed its blocks, so a prompt matches only its own tenant's
+blocks (``kvwire.consumer.tenants``).
+
+Holds (``kvwire.consumer.holds``) are this member's router state, shared by its HTTP loops: a
+score answer shows them (``speculative_tokens``) only while one is live, and is otherwise byte
+for byte what it was without them. Peers asked with ``local`` answer without their holds; the
+member a request reached adds its own.
 
 Scale-out within a host: ``HttpWorkers`` runs the same app on N threads, each with its
 own event loop on an ``SO_REUSEPORT`` socket of the same port; the kernel spreads
@@ -46,6 +57,8 @@ import numpy as np
 from aiohttp import web
 
 from .apply import Applier
+from .holds import Holds, NoCandidate, block_sizes, route, score_json_with_holds, trusted_workers, with_speculation
+from .tenants import TenantError, check_extra_keys, tenant_extra_keys
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +66,34 @@ TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 DEFAULT_MAX_TOKENS = 256 * 1024
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 MAX_RESULTS = 1024
+# One entry per block: an array of key values (checked further by ``tenants.check_extra_keys``) or null.
+ExtraKeys = list[list[Any] | None]
 
 
 class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
     token_ids: list[TokenId]
     lora_name: str | None = None
+    cache_salt: str | None = None
+    extra_keys: ExtraKeys | None = None
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
     local: bool = False
     limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESULTS)] = 64
     # The binary form's name for ``limit``; given both, ``top_k`` wins.
     top_k: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESULTS)] | None = None
+
+
+class Candidate(msgspec.Struct, forbid_unknown_fields=True):
+    instance_id: str
+    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
+    token_ids: list[TokenId]
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    extra_keys: ExtraKeys | None = None
+    candidates: Annotated[list[Candidate], msgspec.Meta(min_length=1, max_length=MAX_RESULTS)] | None = None
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
 class BadRequest(ValueError):
@@ -74,7 +105,7 @@ class BadRequest(ValueError):
 
 
 BINARY = "application/octet-stream"
-_QUERY_PARAMS = frozenset({"lora_name", "block_size", "top_k", "limit", "local"})
+_QUERY_PARAMS = frozenset({"lora_name", "cache_salt", "extra_keys", "block_size", "top_k", "limit", "local"})
 _BOOL = {"true": True, "1": True, "false": False, "0": False}
 _LE = sys.byteorder == "little"
 _ARRAY_I = _LE and array("I").itemsize == 4
@@ -105,9 +136,17 @@ def query_request(query: Any) -> ScoreRequest:
         raise BadRequest(400, f"invalid request: local must be true or false, got {local[:40]!r}")
     top_k = _int_param(query, "top_k", 1, MAX_RESULTS)
     limit = _int_param(query, "limit", 1, MAX_RESULTS)
+    extra = query.get("extra_keys")
+    if extra is not None:
+        try:
+            extra = _extra_decoder.decode(extra)
+        except msgspec.DecodeError as e:  # ValidationError is one
+            raise BadRequest(400, f"invalid request: extra_keys must be a JSON array of arrays or nulls: {e}") from None
     return ScoreRequest(
         token_ids=[],
         lora_name=query.get("lora_name"),
+        cache_salt=query.get("cache_salt"),
+        extra_keys=extra,
         block_size=_int_param(query, "block_size", 1, 1 << 20),
         local=bool(local is not None and _BOOL[local.lower()]),
         limit=limit if limit is not None else 64,
@@ -128,11 +167,33 @@ def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
     return msgspec.structs.replace(req, token_ids=tokens)
 
 
+def _packed(tokens: Any) -> Any:
+    if isinstance(tokens, list) and _ARRAY_I:
+        # The core reads an array('I') in place; a list would go through numpy's
+        # per-element conversion, several times slower than this copy.
+        return array("I", tokens)
+    return tokens
+
+
 def _top_k(req: ScoreRequest) -> int:
     return req.top_k if req.top_k is not None else req.limit
 
 
 _decoder = msgspec.json.Decoder(ScoreRequest)
+_route_decoder = msgspec.json.Decoder(RouteRequest)
+_extra_decoder = msgspec.json.Decoder(ExtraKeys)
+
+
+def tenant_keys(req: ScoreRequest | RouteRequest) -> list[Any] | None:
+    """The request's per-block extra keys with its salt folded in; BadRequest when malformed."""
+    try:
+        # A block holds at least one token: more entries than tokens is no prompt's keys.
+        check_extra_keys(req.extra_keys, max(len(req.token_ids), 1))
+    except TenantError as e:
+        raise BadRequest(400, f"invalid request: {e}") from None
+    return tenant_extra_keys(req.extra_keys, req.cache_salt, req.lora_name)
+
+
 _json = msgspec.json.Encoder()
 
 
@@ -170,9 +231,13 @@ def make_app(
     peer_timeout_s: float = 2.0,
     health: Callable[[], str | None] | None = None,
     home: asyncio.AbstractEventLoop | None = None,
+    holds: Holds | None = None,
 ) -> web.Application:
     """``health()`` returns why the member is unhealthy (None while healthy): /healthz then
     answers 503 with the reason even when caught up.
+
+    ``holds``: the member's speculative holds; apps of one member served from several loops
+    must share one (``kvwire index`` does). None: this app keeps its own, default TTL.
 
     ``home``: the loop that feeds ``applier`` (ingest's), when this app is served from
     another (``HttpWorkers`` threads). Scores read only the core, which is consistent from
@@ -189,6 +254,7 @@ def make_app(
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), home))
 
     peers = [p.rstrip("/") for p in (peers or [])]
+    held = holds if holds is not None else Holds()
     app = web.Application(client_max_size=max_body_bytes)
     session: dict[str, aiohttp.ClientSession] = {}
 
@@ -204,8 +270,10 @@ def make_app(
                 if request.query:
                     query_request(request.query)
                 req = _decoder.decode(body)
-                if len(req.token_ids) > max_tokens:
-                    return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+            # Before the token count: a request outside the schema is a 400 whatever its size.
+            extra = tenant_keys(req)
+            if len(req.token_ids) > max_tokens:
+                return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
         except BadRequest as e:
             return _error(e.status, str(e))
         except msgspec.ValidationError as e:
@@ -214,41 +282,93 @@ def make_app(
             return _error(400, f"invalid JSON: {e}")
         t0 = time.perf_counter()
         try:
-            return await _score(req)
+            return await _score(req, extra)
         finally:
             scope = "local" if req.local or not peers else "scatter"
             applier.metrics.score_latency.labels(scope).observe(time.perf_counter() - t0)
 
-    async def _score(req: ScoreRequest) -> web.Response:
+    async def _score(req: ScoreRequest, extra: list[Any] | None) -> web.Response:
         k = _top_k(req)
-        tokens = req.token_ids
-        if isinstance(tokens, list) and _ARRAY_I:
-            # The core reads an array('I') in place; a list would go through numpy's
-            # per-element conversion, several times slower than this copy.
-            tokens = array("I", tokens)  # type: ignore[assignment]
-        local = applier.score_json(tokens, lora_name=req.lora_name, block_size=req.block_size, top_k=k)
-        if req.local or not peers:
+        tokens = _packed(req.token_ids)
+        if req.local:
+            # A peer's part of a scatter: index state only, the asking member adds its holds.
+            local = applier.score_json(tokens, req.lora_name, req.block_size, k, extra)
             return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
-        answers, failed = await _scatter(req)
+        if not peers:
+            local = score_json_with_holds(applier, held, tokens, req.lora_name, req.block_size, k, extra)
+            return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
+        local = applier.score_json(tokens, req.lora_name, req.block_size, k, extra)
+        answers, failed = await _scatter(req, k)
+        scores = merge_scores([msgspec.json.decode(local), *answers], k)
+        if held.live():
+            spec = held.credit(tokens, req.lora_name, extra, _sizes(req.block_size))
+            scores = with_speculation(scores, spec, k)
         return web.Response(
-            body=_json.encode(
-                {
-                    "scores": merge_scores([msgspec.json.decode(local), *answers], k),
-                    "partial": bool(failed),
-                    "failed_peers": failed,
-                }
-            ),
+            body=_json.encode({"scores": scores, "partial": bool(failed), "failed_peers": failed}),
             content_type="application/json",
         )
 
-    async def _scatter(req: ScoreRequest):
+    def _sizes(block_size: int | None) -> list[int]:
+        return block_sizes(applier.index.block_sizes(), block_size)
+
+    async def route_handler(request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body over {max_body_bytes} bytes")
+        try:
+            if request.query:
+                raise BadRequest(400, "invalid request: /v1/route takes no query parameters")
+            req = _route_decoder.decode(body)
+            extra = tenant_keys(req)
+            if len(req.token_ids) > max_tokens:
+                return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+        except BadRequest as e:
+            return _error(e.status, str(e))
+        except msgspec.ValidationError as e:
+            return _error(400, f"invalid request: {e}")
+        except msgspec.DecodeError as e:
+            return _error(400, f"invalid JSON: {e}")
+        tokens = _packed(req.token_ids)
+        cands = None if req.candidates is None else [(c.instance_id, c.dp_rank) for c in req.candidates]
+        confirmed = None
+        failed: list[str] = []
+        if peers:
+            sreq = ScoreRequest(
+                token_ids=req.token_ids,
+                lora_name=req.lora_name,
+                cache_salt=req.cache_salt,
+                extra_keys=req.extra_keys,
+                block_size=req.block_size,
+                top_k=MAX_RESULTS,
+            )
+            local = applier.score_json(tokens, req.lora_name, req.block_size, MAX_RESULTS, extra)
+            answers, failed = await _scatter(sreq, MAX_RESULTS)
+            confirmed = merge_scores([msgspec.json.decode(local), *answers], MAX_RESULTS)
+            if cands is None:
+                cands = sorted(set(trusted_workers(applier)) | {(s["instance_id"], s["dp_rank"]) for s in confirmed})
+        try:
+            picked = route(applier, held, tokens, req.lora_name, extra, cands, req.block_size, confirmed)
+        except NoCandidate as e:
+            return _error(503, str(e))
+        out = picked.to_json()
+        if peers:
+            out["partial"] = bool(failed)
+            out["failed_peers"] = failed
+        return web.Response(body=_json.encode(out), content_type="application/json")
+
+    async def _scatter(req: ScoreRequest, k: int):
         if "s" not in session:
             session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=peer_timeout_s))
         # Peers get the binary form: no JSON to build here or to parse there.
         tokens = np.ascontiguousarray(req.token_ids, "<u4").tobytes()
-        params = {"local": "true", "top_k": str(_top_k(req))}
+        params = {"local": "true", "top_k": str(k)}
         if req.lora_name is not None:
             params["lora_name"] = req.lora_name
+        if req.cache_salt is not None:
+            params["cache_salt"] = req.cache_salt
+        if req.extra_keys is not None:
+            params["extra_keys"] = _json.encode(req.extra_keys).decode()
         if req.block_size is not None:
             params["block_size"] = str(req.block_size)
 
@@ -303,6 +423,7 @@ def make_app(
             await session["s"].close()
 
     app.router.add_post("/v1/score", score)
+    app.router.add_post("/v1/route", route_handler)
     app.router.add_get("/v1/workers", workers)
     app.router.add_get("/v1/digest", digest)
     app.router.add_get("/healthz", healthz)

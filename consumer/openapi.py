@@ -36,19 +36,52 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
                 "type": "boolean",
                 "description": "present (true) when the worker's source cannot observe removals",
             },
+            "speculative_tokens": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "Present on every entry while a speculative hold (POST /v1/route) is live: the "
+                "leading tokens a hold on this worker shares with the prompt, never counted in matched_tokens. "
+                "A worker with only a hold appears with matched_tokens 0. Entries are then ordered by "
+                "max(matched_tokens, speculative_tokens), then score, then matched_tokens, then "
+                "(instance_id, dp_rank); with no live hold the field is absent and the order is the usual one.",
+            },
         },
+    }
+    scalar = {"type": ["string", "integer", "number", "boolean", "null"]}
+    # The 256-values bound is in the description, not a maxItems: a generator breaking a maxItems
+    # writes bodies over the size limit, which get 413 before the fields are read.
+    block_keys = {
+        "type": ["array", "null"],
+        "items": {"anyOf": [scalar, {"type": "array", "items": scalar}]},
+        "description": "One block's keys (at most 256 values, each a scalar or an array of at most 256 scalars)",
+    }
+    tenant = {
+        "cache_salt": {
+            "type": ["string", "null"],
+            "description": "vLLM's cache_salt: only blocks stored under the same salt match (an empty salt is "
+            "none, as in vLLM). Added to the first block's extra keys, where vLLM puts it.",
+        },
+        "extra_keys": {
+            "type": ["array", "null"],
+            "items": block_keys,
+            "description": "Per block, the extra keys vLLM publishes in BlockStored.extra_keys (LoRA name, "
+            "[mm identifier, offset] pairs, cache salt), or null for a block with none; arrays stand for "
+            "vLLM's tuples. At most one entry per token, else 400.",
+        },
+    }
+    token_ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
+        "description": f"The prompt's token ids; more than {max_tokens} get 413.",
     }
     request = {
         "type": "object",
         "required": ["token_ids"],
         "additionalProperties": False,
         "properties": {
-            "token_ids": {
-                "type": "array",
-                "items": {"type": "integer", "minimum": 0, "maximum": 2**32 - 1},
-                "description": f"The prompt's token ids; more than {max_tokens} get 413.",
-            },
+            "token_ids": token_ids,
             "lora_name": {"type": ["string", "null"]},
+            **tenant,
             "block_size": {"type": ["integer", "null"], "minimum": 1, "maximum": 1 << 20},
             "local": {
                 "type": "boolean",
@@ -76,6 +109,12 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
 
     binary_params = [
         query("lora_name", {"type": "string"}, "Binary body only (checked, then unused, with JSON): the LoRA name."),
+        query("cache_salt", {"type": "string"}, "Binary body only: as the JSON field."),
+        query(
+            "extra_keys",
+            {"type": "string", "contentMediaType": "application/json"},
+            "Binary body only: the JSON field's array as JSON text.",
+        ),
         query("block_size", {"type": "integer", "minimum": 1, "maximum": 1 << 20}, "Binary body only."),
         query("top_k", {"type": "integer", "minimum": 1, "maximum": max_results}, "Binary body only (default 64)."),
         query("limit", {"type": "integer", "minimum": 1, "maximum": max_results}, "Binary body only: as top_k."),
@@ -111,6 +150,72 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
                 "description": "a rank's latest record came from a source that cannot observe removals",
             },
             "ranks": {"type": "array", "items": rank},
+        },
+    }
+    candidate = {
+        "type": "object",
+        "required": ["instance_id"],
+        "additionalProperties": False,
+        "properties": {
+            "instance_id": {"type": "string"},
+            "dp_rank": {"type": "integer", "minimum": 0, "default": 0},
+        },
+    }
+    route_request = {
+        "type": "object",
+        "required": ["token_ids"],
+        "additionalProperties": False,
+        "properties": {
+            "token_ids": token_ids,
+            "lora_name": {"type": ["string", "null"]},
+            **tenant,
+            "candidates": {
+                "type": ["array", "null"],
+                "items": candidate,
+                "minItems": 1,
+                "maxItems": max_results,
+                "description": "Workers to choose from (not empty); omitted: every trusted worker the index "
+                "knows, and none known gets 503.",
+            },
+            "block_size": {"type": ["integer", "null"], "minimum": 1, "maximum": 1 << 20},
+        },
+    }
+    route_row = {
+        "type": "object",
+        "required": ["instance_id", "dp_rank", "matched_tokens", "speculative_tokens", "score"],
+        "properties": {
+            "instance_id": {"type": "string"},
+            "dp_rank": {"type": "integer", "minimum": 0},
+            "matched_tokens": {"type": "integer", "minimum": 0, "description": "Confirmed by the index"},
+            "speculative_tokens": {"type": "integer", "minimum": 0, "description": "Credit of live holds"},
+            "score": {"type": "number"},
+        },
+    }
+    route_answer = {
+        "type": "object",
+        "required": ["worker", "matched_tokens", "speculative_tokens", "hold", "scores"],
+        "properties": {
+            "worker": {
+                "type": "object",
+                "required": ["instance_id", "dp_rank"],
+                "properties": {"instance_id": {"type": "string"}, "dp_rank": {"type": "integer", "minimum": 0}},
+            },
+            "matched_tokens": {"type": "integer", "minimum": 0, "description": "The worker's confirmed prefix"},
+            "speculative_tokens": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "The worker's credit from holds recorded before this route",
+            },
+            "hold": {
+                "type": ["object", "null"],
+                "required": ["expires_in_ms"],
+                "properties": {"expires_in_ms": {"type": "integer", "minimum": 0}},
+                "description": "The hold recorded on the worker; null when holds are off (TTL 0) or the "
+                "prompt has no full block.",
+            },
+            "scores": {"type": "array", "items": route_row, "description": "Every candidate, in pick order"},
+            "partial": {"type": "boolean", "description": "A peer did not answer."},
+            "failed_peers": {"type": "array", "items": {"type": "string"}},
         },
     }
     health = {
@@ -161,6 +266,25 @@ def document(max_tokens: int = 256 * 1024, max_results: int = 1024) -> dict[str,
                             _ERROR, "Malformed JSON, a binary body not whole uint32s, or a request outside the schema"
                         ),
                         "413": _json(_ERROR, "Body or token count over the limit"),
+                    },
+                }
+            },
+            "/v1/route": {
+                "post": {
+                    "operationId": "route",
+                    "summary": "Pick the worker for a prompt and record a speculative hold on it",
+                    "description": "The pick: highest effective tokens (max of the confirmed matched_tokens "
+                    "and the speculative tokens of live holds), then highest confirmed score, then the fewest "
+                    "routes sent to the worker within the last hold TTL (2 s when holds are off), then "
+                    "(instance_id, dp_rank) order. The hold counts for prompts sharing leading blocks with "
+                    "this one until the worker's own BlockStored confirms it or its TTL ends; it is never "
+                    "index state (snapshots, digests) and never reported as matched_tokens.",
+                    "requestBody": {"required": True, "content": {"application/json": {"schema": route_request}}},
+                    "responses": {
+                        "200": _json(route_answer, "The chosen worker, and every candidate's figures"),
+                        "400": _json(_ERROR, "Malformed JSON, query parameters, or a request outside the schema"),
+                        "413": _json(_ERROR, "Body or token count over the limit"),
+                        "503": _json(_ERROR, "No candidate: none given and no trusted worker known"),
                     },
                 }
             },

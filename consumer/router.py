@@ -15,6 +15,9 @@ member, fencing, snapshots) on its own event loop in a background thread::
             print(s.instance_id, s.dp_rank, s.matched_tokens, s.score)
 
 Token ids may be a list of ints, an ``array('I')`` or a uint32 numpy array (read in place).
+``cache_salt`` and ``extra_keys`` (per block, as vLLM publishes them) select a tenant's blocks
+(``kvwire.consumer.tenants``). ``Scorer.route`` picks a worker and records a speculative hold
+on it (``kvwire.consumer.holds``), which later scores show as ``speculative_tokens``.
 Like ``kvwire index``, the member joins its own consumer group by default (a full index
 per router): ``kvwire-index.<topic>.<hostname>``, so two embedding routers on one host must
 pass distinct ``group`` names; pass a shared ``group`` to split partitions with other members.
@@ -43,19 +46,25 @@ from typing import Any, TypeVar
 import msgspec
 
 from .apply import Applier
+from .holds import HeldScore, Holds, Route, route, score_json_with_holds
 from .index import WorkerScore
+from .tenants import check_cache_salt, check_extra_keys, tenant_extra_keys
 
 DEFAULT_TOP_K = 64  # /v1/score's default ``limit``
-_scores = msgspec.json.Decoder(list[WorkerScore])
+_scores = msgspec.json.Decoder(list[HeldScore])
 T = TypeVar("T")
 _ARRAY_I = sys.byteorder == "little" and array("I").itemsize == 4
 
 
 class Scorer:
-    """Scores from an ``Applier`` in this process (the HTTP handler's own call)."""
+    """Scores from an ``Applier`` in this process (the HTTP handler's own call).
 
-    def __init__(self, applier: Applier) -> None:
+    ``holds``: the router's speculative holds (``Scorer.route`` records them); None: its own,
+    with the default TTL."""
+
+    def __init__(self, applier: Applier, holds: Holds | None = None) -> None:
         self.applier = applier
+        self.holds = holds if holds is not None else Holds()
 
     def score_json(
         self,
@@ -63,16 +72,14 @@ class Scorer:
         lora_name: str | None = None,
         block_size: int | None = None,
         top_k: int = DEFAULT_TOP_K,
+        cache_salt: str | None = None,
+        extra_keys: Any = None,
     ) -> bytes:
         """The JSON list ``/v1/score`` answers under ``"scores"``, byte for byte."""
-        if block_size is not None and block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
-        if isinstance(token_ids, list | tuple) and _ARRAY_I:
-            token_ids = array("I", token_ids)  # read in place by the core; OverflowError outside uint32
-        out: bytes = self.applier.score_json(token_ids, lora_name=lora_name, block_size=block_size, top_k=top_k)
-        return out
+        token_ids, extra = self._query(token_ids, lora_name, block_size, cache_salt, extra_keys)
+        return score_json_with_holds(self.applier, self.holds, token_ids, lora_name, block_size, top_k, extra)
 
     def score(
         self,
@@ -80,9 +87,39 @@ class Scorer:
         lora_name: str | None = None,
         block_size: int | None = None,
         top_k: int = DEFAULT_TOP_K,
+        cache_salt: str | None = None,
+        extra_keys: Any = None,
     ) -> list[WorkerScore]:
-        """Trusted workers holding a prefix of ``token_ids``, best first, at most ``top_k``."""
-        return _scores.decode(self.score_json(token_ids, lora_name, block_size, top_k))
+        """Trusted workers holding a prefix of ``token_ids``, best first, at most ``top_k``
+        (``HeldScore``s: ``speculative_tokens`` is a live hold's credit, 0 without one)."""
+        return list(_scores.decode(self.score_json(token_ids, lora_name, block_size, top_k, cache_salt, extra_keys)))
+
+    def route(
+        self,
+        token_ids: Any,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+        extra_keys: Any = None,
+        candidates: list[tuple[str, int]] | None = None,
+        block_size: int | None = None,
+    ) -> Route:
+        """What ``POST /v1/route`` does: the best worker for the prompt (``holds`` module doc for
+        the tie-break), with a hold recorded on it. Raises ``holds.NoCandidate`` when there is
+        no candidate and no trusted worker."""
+        token_ids, extra = self._query(token_ids, lora_name, block_size, cache_salt, extra_keys)
+        return route(self.applier, self.holds, token_ids, lora_name, extra, candidates, block_size)
+
+    @staticmethod
+    def _query(
+        token_ids: Any, lora_name: str | None, block_size: int | None, cache_salt: str | None, extra_keys: Any
+    ) -> tuple[Any, list[Any] | None]:
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        check_cache_salt(cache_salt)
+        check_extra_keys(extra_keys)
+        if isinstance(token_ids, list | tuple) and _ARRAY_I:
+            token_ids = array("I", token_ids)  # read in place by the core; OverflowError outside uint32
+        return token_ids, tenant_extra_keys(extra_keys, cache_salt, lora_name)
 
 
 class EmbeddedIndex(Scorer):

@@ -71,6 +71,13 @@ def index(
         help="Also index LMCache's MP coordinator topic (its KafkaCacheEventSink's JSON cache events)",
     ),
     lmcache_model: str | None = typer.Option(None, "--lmcache-model", help="Keep only this model from --lmcache-topic"),
+    hold_ttl_s: float = typer.Option(
+        2.0,
+        "--hold-ttl-s",
+        min=0.0,
+        help="Seconds a /v1/route speculative hold counts unless the worker's BlockStored confirms it first; "
+        "0 disables holds",
+    ),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Build a prefix-cache index from the topic and serve it over HTTP."""
@@ -96,6 +103,7 @@ def index(
             http_workers,
             lmcache_topic=lmcache_topic,
             lmcache_model=lmcache_model,
+            hold_ttl_s=hold_ttl_s,
         )
     )
     if code:
@@ -121,7 +129,9 @@ async def _run(
     http_workers=1,
     lmcache_topic=None,
     lmcache_model=None,
+    hold_ttl_s=2.0,
 ) -> int:
+    from kvwire.consumer.holds import Holds
     from kvwire.consumer.http import HttpWorkers, make_app
     from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
 
@@ -158,6 +168,7 @@ async def _run(
         from kvwire.consumer.lmcache_feed import feed_member
 
         feed = await feed_member(member, lmcache_topic, lmcache_model)
+    holds = Holds(hold_ttl_s)  # one for every HTTP loop: a route on one is seen by the others
     # HTTP on threads only: a flood of requests then competes with ingest for the GIL, not
     # for ingest's own loop (sharing it, ingest fell to a third of its rate under load).
     runner = HttpWorkers(
@@ -168,6 +179,7 @@ async def _run(
             max_tokens=max_tokens,
             health=lambda: member.failure,
             home=loop,
+            holds=holds,
         ),
         host,
         port,

@@ -1,0 +1,300 @@
+"""Speculative holds (kvwire.consumer.holds) over a real Applier/PrefixIndex: prefix credit,
+expiry, confirmation by the worker's own BlockStored, the route pick and its tie-break, the
+score answers with and without holds, and that holds never become index state.
+
+Time is a hand-moved clock here (expiry is checked against it, not waited for); the Kafka
+burst test (test_holds_burst.py) runs on the wall clock."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from kvwire.consumer.apply import Applier
+from kvwire.consumer.holds import HeldScore, Holds, NoCandidate, with_speculation
+from kvwire.consumer.http import make_app
+from kvwire.consumer.router import Scorer
+from kvwire.schemas.events import EventBatch, WorkerId, stored
+
+BS = 16
+W = [("w0", 0), ("w1", 0), ("w2", 0)]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def fleet(seed: int = 0) -> Applier:
+    """Three trusted workers, each holding an unrelated prompt (the index knows BS)."""
+    a = Applier()
+    rng = random.Random(seed)
+    for i, (inst, dp) in enumerate(W):
+        toks = [rng.randrange(50_000, 60_000) for _ in range(2 * BS)]
+        a.apply_batch(
+            EventBatch(WorkerId(inst, dp), 1, 0, 1, (stored([100 * i + 1, 100 * i + 2], toks, BS),), reset=True)
+        )
+    return a
+
+
+def store(a: Applier, worker: tuple[str, int], seq: int, tokens: list[int], **kw) -> None:
+    n = len(tokens) // BS
+    hashes = [hash((worker, seq, j)) & 0xFFFF_FFFF for j in range(n)]
+    ev = stored(hashes, tokens[: n * BS], BS, **kw)
+    a.apply_batch(EventBatch(WorkerId(*worker), 1, seq, seq + 1, (ev,)))
+
+
+def prompt(seed: int, blocks: int = 4, tail: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30_000) for _ in range(blocks * BS + tail)]
+
+
+def scorer(ttl: float = 2.0, **kw) -> tuple[Scorer, Clock]:
+    clock = Clock()
+    return Scorer(fleet(), Holds(ttl, clock=clock, **kw)), clock
+
+
+def test_route_records_a_hold_that_credits_shared_leading_blocks_only():
+    s, _ = scorer()
+    p = prompt(1)
+    r = s.route(p)
+    assert r.worker == W[0] and r.matched_tokens == 0 and r.speculative_tokens == 0
+    assert r.hold_expires_in_ms == 2000
+    # The same prompt, a longer one, one sharing two blocks, one sharing none.
+    longer = p[: 4 * BS] + prompt(2, 2)
+    forked = p[: 2 * BS] + prompt(3, 2)
+    cases = [(p, 4 * BS), (longer, 4 * BS), (forked, 2 * BS), (prompt(4), 0), (p[: BS - 1], 0)]
+    for q, want in cases:
+        got = {(x.instance_id, x.dp_rank): x for x in s.score(q)}
+        if want:
+            assert isinstance(got[W[0]], HeldScore)
+            assert got[W[0]].speculative_tokens == want and got[W[0]].matched_tokens == 0
+        else:
+            assert W[0] not in got
+    # Another tenant's prompt with the same tokens never gets the hold's credit.
+    assert s.score(p, cache_salt="other") == []
+    assert s.score(p, lora_name="adapter") == []
+    assert s.score(p, extra_keys=[["mm", 0]]) == []
+
+
+def test_a_hold_expires_after_its_ttl_and_holds_off_records_none():
+    s, clock = scorer(ttl=2.0)
+    p = prompt(5)
+    s.route(p)
+    assert len(s.holds) == 1 and s.score(p)[0].speculative_tokens == 4 * BS
+    clock.t += 1.9
+    assert s.score(p)[0].speculative_tokens == 4 * BS
+    clock.t += 0.2
+    assert s.score(p) == [] and len(s.holds) == 0 and s.holds.expired == 1
+    off, _ = scorer(ttl=0.0)
+    r = off.route(p)
+    assert r.hold_expires_in_ms is None and len(off.holds) == 0 and off.score(p) == []
+
+
+def test_the_workers_own_block_stored_confirms_and_ends_the_hold():
+    s, _ = scorer()
+    p = prompt(6)
+    w = s.route(p).worker
+    store(s.applier, w, 1, p[: 2 * BS])  # half the prompt: not yet covered
+    got = s.score(p)[0]
+    assert (got.matched_tokens, got.speculative_tokens) == (2 * BS, 4 * BS)
+    assert len(s.holds) == 1
+    store(s.applier, W[1], 1, p)  # another worker storing it confirms nothing of w's hold
+    s.score(p)
+    assert len(s.holds) == 1
+    store(s.applier, w, 2, p)  # the whole prompt: the next call confirms the hold
+    got = {(x.instance_id, x.dp_rank): x for x in s.score(p)}
+    assert len(s.holds) == 0 and s.holds.confirmed == 1
+    assert got[w].matched_tokens == 4 * BS and got[w].speculative_tokens == 0
+
+
+def test_confirmation_checks_are_bounded_per_call():
+    s, _ = scorer(checks_per_call=2)
+    prompts = [prompt(100 + i) for i in range(6)]
+    for p in prompts:
+        s.holds.add(W[0], p, sizes=[BS])
+    for i, p in enumerate(prompts):
+        store(s.applier, W[0], i + 1, p)
+    s.score(prompt(99))
+    assert len(s.holds) == 4  # two checked
+    s.score(prompt(99))
+    s.score(prompt(99))
+    assert len(s.holds) == 0 and s.holds.confirmed == 6
+
+
+def test_route_tie_break_effective_then_score_then_load_then_name():
+    s, _ = scorer(ttl=0.0)  # no holds: the load rule spreads a burst
+    p = prompt(7)
+    assert [s.route(p).worker for _ in range(6)] == [W[0], W[1], W[2], W[0], W[1], W[2]]
+    s2, _ = scorer(ttl=2.0)
+    # Confirmed prefix beats everything; between equal prefixes, the better medium's score wins.
+    store(s2.applier, W[2], 1, p[: 2 * BS])
+    r = s2.route(p)
+    assert r.worker == W[2] and r.matched_tokens == 2 * BS
+    s3, _ = scorer(ttl=2.0)
+    s3.applier.apply_batch(EventBatch(WorkerId("w1"), 1, 1, 2, (stored([7001, 7002], p[: 2 * BS], BS, medium="CPU"),)))
+    s3.applier.apply_batch(EventBatch(WorkerId("w2"), 1, 1, 2, (stored([7003, 7004], p[: 2 * BS], BS),)))
+    r = s3.route(p)
+    assert r.worker == W[2] and [x.worker for x in r.rows] == [W[2], W[1], W[0]]
+    # A hold's speculative credit beats a shorter confirmed prefix elsewhere.
+    r2 = s3.route(p)
+    assert r2.worker == W[2] and r2.speculative_tokens == 4 * BS and r2.matched_tokens == 2 * BS
+
+
+def test_candidates_restrict_the_pick_and_none_known_is_no_candidate():
+    s, _ = scorer()
+    p = prompt(8)
+    assert s.route(p, candidates=[("w2", 0), ("w1", 0)]).worker == W[1]
+    assert s.route(p, candidates=[("w2", 0)]).worker == W[2]
+    with pytest.raises(NoCandidate):
+        Scorer(Applier(), Holds(clock=Clock())).route(p)
+    # An untrusted worker is no default candidate.
+    a = fleet()
+    a.apply_batch(EventBatch(WorkerId("w0"), 1, 1, 2, (), gap=3))
+    assert Scorer(a, Holds(clock=Clock())).route(p).worker == W[1]
+
+
+def test_holds_never_reach_index_state():
+    s, _ = scorer()
+    before = (s.applier.index.digest(), len(s.applier.index), s.applier.workers())
+    for i in range(5):
+        s.route(prompt(200 + i))
+    assert len(s.holds) == 5
+    assert (s.applier.index.digest(), len(s.applier.index), s.applier.workers()) == before
+
+
+def test_without_live_holds_scores_are_byte_identical():
+    s, clock = scorer()
+    p = prompt(9)
+    store(s.applier, W[1], 1, p)
+    plain = s.applier.score_json(p, None, None, 64)
+    assert s.score_json(p) == plain
+    s.route(prompt(10))  # a live hold on another prompt: the answer changes shape
+    with_hold = json.loads(s.score_json(p))
+    assert [x["speculative_tokens"] for x in with_hold] == [0]
+    clock.t += 5
+    assert s.score_json(p) == plain
+
+
+def test_with_speculation_orders_by_effective_credit():
+    conf = [
+        {"instance_id": "a", "dp_rank": 0, "matched_tokens": 32, "by_medium": {"GPU": 32}, "score": 32.0},
+        {"instance_id": "b", "dp_rank": 0, "matched_tokens": 16, "by_medium": {"GPU": 16}, "score": 16.0},
+    ]
+    out = with_speculation(conf, {("c", 0): 48, ("b", 0): 16}, 10)
+    assert [(x["instance_id"], x["matched_tokens"], x["speculative_tokens"]) for x in out] == [
+        ("c", 0, 48),
+        ("a", 32, 0),
+        ("b", 16, 16),
+    ]
+    assert with_speculation(conf, {("c", 0): 48}, 1)[0]["instance_id"] == "c"
+
+
+def test_holds_compare_in_the_index_block_sizes_or_the_default():
+    h = Holds(clock=Clock())
+    p = prompt(11)
+    h.add(("x", 0), p, sizes=[32])
+    assert h.credit(p, sizes=[32]) == {("x", 0): 64}
+    assert h.credit(p, sizes=[16]) == {}  # a size the hold was not recorded in
+    s = Scorer(Applier(), Holds(clock=Clock()))
+    r = s.route(p, candidates=[("x", 0)])  # empty index: vLLM's default block size
+    assert r.hold_expires_in_ms is not None
+    assert [(x.instance_id, x.speculative_tokens) for x in s.score(p)] == []  # x is not a trusted worker
+    assert s.holds.credit(p, sizes=[16]) == {("x", 0): 4 * BS}
+
+
+def test_routing_again_restarts_a_hold_instead_of_adding_one():
+    s, clock = scorer()
+    p = prompt(12)
+    s.route(p)
+    clock.t += 1.5
+    s.route(p)
+    assert len(s.holds) == 1
+    clock.t += 1.0  # past the first hold's TTL, within the second's
+    assert s.score(p)[0].speculative_tokens == 4 * BS
+
+
+def test_max_holds_drops_the_oldest():
+    h = Holds(clock=Clock(), max_holds=3)
+    for i in range(5):
+        h.add(("x", 0), prompt(300 + i), sizes=[BS])
+    assert len(h) == 3
+    assert h.credit(prompt(300), sizes=[BS]) == {} and h.credit(prompt(304), sizes=[BS]) == {("x", 0): 4 * BS}
+
+
+# ------------------------------------------------------------------ HTTP
+
+
+@pytest.fixture
+async def client():
+    clock = Clock()
+    app = make_app(fleet(), lambda: True, max_tokens=1000, max_body_bytes=64 * 1024, holds=Holds(2.0, clock=clock))
+    async with TestClient(TestServer(app)) as c:
+        c.clock = clock
+        yield c
+
+
+async def test_http_route_and_score_show_the_hold(client):
+    p = prompt(13)
+    plain = await (await client.post("/v1/score", json={"token_ids": p})).read()
+    r = await client.post("/v1/route", json={"token_ids": p})
+    assert r.status == 200
+    body = await r.json()
+    assert body["worker"] == {"instance_id": "w0", "dp_rank": 0}
+    assert body["matched_tokens"] == 0 and body["speculative_tokens"] == 0 and body["hold"] == {"expires_in_ms": 2000}
+    assert [(x["instance_id"], x["speculative_tokens"]) for x in body["scores"]] == [("w0", 0), ("w1", 0), ("w2", 0)]
+    r2 = await (await client.post("/v1/route", json={"token_ids": p})).json()
+    assert r2["worker"]["instance_id"] == "w0" and r2["speculative_tokens"] == 4 * BS and r2["matched_tokens"] == 0
+    scores = (await (await client.post("/v1/score", json={"token_ids": p})).json())["scores"]
+    assert scores == [
+        {
+            "instance_id": "w0",
+            "dp_rank": 0,
+            "matched_tokens": 0,
+            "by_medium": {},
+            "score": 0.0,
+            "speculative_tokens": 64,
+        }
+    ]
+    client.clock.t += 3
+    assert await (await client.post("/v1/score", json={"token_ids": p})).read() == plain
+
+
+@pytest.mark.parametrize(
+    "body,status",
+    [
+        ({"token_ids": list(range(1001))}, 413),
+        ({"token_ids": [-1]}, 400),
+        ({"token_ids": [1], "candidates": []}, 400),
+        ({"token_ids": [1], "candidates": [{"instance_id": "w0", "dp_rank": -1}]}, 400),
+        ({"token_ids": [1], "candidates": [{"dp_rank": 0}]}, 400),
+        ({"token_ids": [1], "cache_salt": 5}, 400),
+        ({"token_ids": [1], "extra_keys": [{"a": 1}]}, 400),
+        ({"token_ids": [1], "extra_keys": [[1], [2]]}, 400),
+        ({"token_ids": [1], "nope": 1}, 400),
+        ([1], 400),
+    ],
+)
+async def test_http_route_bad_requests_get_4xx(client, body, status):
+    r = await client.post("/v1/route", json=body)
+    assert r.status == status
+    assert "error" in await r.json()
+
+
+async def test_http_route_without_any_worker_is_503():
+    async with TestClient(TestServer(make_app(Applier(), lambda: True))) as c:
+        r = await c.post("/v1/route", json={"token_ids": list(range(40))})
+        assert r.status == 503 and "no candidate" in (await r.json())["error"]
+
+
+async def test_http_route_oversized_and_non_json(client):
+    r = await client.post("/v1/route", data=b"x" * (65 * 1024))
+    assert r.status == 413
+    r = await client.post("/v1/route", data=b"{not json")
+    assert r.status == 400 and "invalid JSON" in (await r.json())["error"]
