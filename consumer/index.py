@@ -277,9 +277,10 @@ class PrefixIndex:
         block_size: int | None = None,
         top_k: int | None = None,
         exclude: Iterable[tuple[str, int]] | None = None,
+        extra_keys: Sequence[Any] | None = None,
     ) -> bytes:
         """The scores as the JSON list ``/v1/score`` returns, encoded by the core."""
-        qs = self._queries(token_ids, lora_name, block_size, None)
+        qs = self._queries(token_ids, lora_name, block_size, extra_keys)
         out: bytes = self.core.score(qs, None, None, _wlist(exclude), top_k, True)
         return out
 
