@@ -2,21 +2,28 @@
 expiry, confirmation by the worker's own BlockStored, the route pick and its tie-break, the
 score answers with and without holds, and that holds never become index state.
 
-Time is a hand-moved clock here (expiry is checked against it, not waited for); the Kafka
-burst test (test_holds_burst.py) runs on the wall clock."""
+Time is a hand-moved clock in the unit tests (expiry is checked against it, not waited for);
+the burst and TTL tests at the end run a real broker, the normal producer and a real index
+member on the wall clock."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
+import time
 
+import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from kvwire.consumer.apply import Applier
-from kvwire.consumer.holds import HeldScore, Holds, NoCandidate, with_speculation
-from kvwire.consumer.http import make_app
+from kvwire.consumer.holds import HeldScore, Holds, NoCandidate, trusted_workers, with_speculation
+from kvwire.consumer.http import HttpWorkers, make_app
+from kvwire.consumer.ingest import IndexMember, IngestConfig
 from kvwire.consumer.router import Scorer
+from kvwire.producer.config import PublisherConfig
+from kvwire.producer.publisher import KafkaPublisher
 from kvwire.schemas.events import EventBatch, WorkerId, stored
 
 BS = 16
@@ -298,3 +305,143 @@ async def test_http_route_oversized_and_non_json(client):
     assert r.status == 413
     r = await client.post("/v1/route", data=b"{not json")
     assert r.status == 400 and "invalid JSON" in (await r.json())["error"]
+
+
+# ------------------------------------------------------------------ the burst, through a real broker
+
+
+async def _wait(cond, what: str, timeout: float = 60.0) -> None:
+    """Poll a condition; the limit only bounds a hang, it asserts no speed."""
+    for _ in range(int(timeout / 0.05)):
+        if cond():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class Fleet:
+    """Three workers publishing through the normal producer; one index member (real ingest)
+    served the way ``kvwire index`` serves it: HTTP loops on threads, one shared ``Holds``."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.pub = KafkaPublisher(
+            PublisherConfig(bootstrap_servers=bootstrap, topic=topic, linger_ms=1, heartbeat_interval_s=0.5)
+        )
+        self.streams = {w: self.pub.stream(WorkerId(w[0], w[1], 0, 1, "m"), source="test") for w in W}
+        self.member = IndexMember(IngestConfig(bootstrap, topic))
+        self.servers: list[HttpWorkers] = []
+        self._hashes = 0
+
+    def store(self, worker: tuple[str, int], tokens: list[int]) -> None:
+        n = len(tokens) // BS
+        self._hashes += n
+        hashes = [hash((worker, self._hashes, j)) & 0xFFFF_FFFF for j in range(n)]
+        assert self.streams[worker].publish([stored(hashes, tokens[: n * BS], BS)])
+
+    async def serve(self, holds: Holds) -> str:
+        loop = asyncio.get_running_loop()
+        m = self.member
+        http = HttpWorkers(
+            lambda: make_app(m.applier, lambda: m.ready, home=loop, holds=holds),
+            "127.0.0.1",
+            0,
+            2,
+            on_caller_loop=False,
+        )
+        self.servers.append(http)
+        return f"http://127.0.0.1:{await http.start()}"
+
+    async def close(self) -> None:
+        for s in self.servers:
+            await s.cleanup()
+        await self.member.stop()
+        await asyncio.to_thread(self.pub.close)
+
+
+async def _post(session: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with session.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+@pytest.mark.integration
+async def test_a_burst_inside_the_lag_window_lands_on_one_worker(kafka_bootstrap, new_topic):
+    fleet = Fleet(kafka_bootstrap, new_topic(partitions=3))
+    await fleet.member.start()
+    try:
+        for i, w in enumerate(W):  # a fleet in service: unrelated prompts cached, every worker trusted
+            fleet.store(w, prompt(400 + i))
+        a = fleet.member.applier
+        await _wait(lambda: len(a.index) == 3 * 4 and len(trusted_workers(a)) == 3, "the fleet's blocks")
+        held, off = Holds(30.0), Holds(0.0)  # 30 s: the burst's holds must outlive a loaded machine
+        url_held, url_off = await fleet.serve(held), await fleet.serve(off)
+        p = prompt(500)
+        before = (a.index.digest(), len(a.index), a.index.export_workers(W))
+        async with aiohttp.ClientSession() as s:
+            burst = await asyncio.gather(*(_post(s, f"{url_held}/v1/route", {"token_ids": p}) for _ in range(8)))
+            chosen = {(r["worker"]["instance_id"], r["worker"]["dp_rank"]) for r in burst}
+            assert len(chosen) == 1, chosen
+            assert all(r["matched_tokens"] == 0 for r in burst)
+            assert sorted(r["speculative_tokens"] for r in burst) == [0] + [4 * BS] * 7
+            spread = await asyncio.gather(*(_post(s, f"{url_off}/v1/route", {"token_ids": p}) for _ in range(8)))
+            assert len({(r["worker"]["instance_id"], r["worker"]["dp_rank"]) for r in spread}) > 1
+            assert all(r["hold"] is None and r["speculative_tokens"] == 0 for r in spread)
+            # A live hold is router state only: the index, its digest and its export are unchanged.
+            assert held.live()
+            assert (a.index.digest(), len(a.index), a.index.export_workers(W)) == before
+            digest = await (await s.get(f"{url_held}/v1/digest")).json()
+            assert digest == {"digest": before[0], "holder_blocks": before[1]}
+            (w,) = chosen
+            scores = (await _post(s, f"{url_held}/v1/score", {"token_ids": p}))["scores"]
+            assert scores == [
+                {
+                    "instance_id": w[0],
+                    "dp_rank": w[1],
+                    "matched_tokens": 0,
+                    "by_medium": {},
+                    "score": 0.0,
+                    "speculative_tokens": 4 * BS,
+                }
+            ]
+            # The chosen worker's engine prefilled: its BlockStored confirms and ends the hold.
+            fleet.store(w, p)
+            await _wait(lambda: len(a.index) == 3 * 4 + 4, "the prompt's blocks")
+            scores = (await _post(s, f"{url_held}/v1/score", {"token_ids": p}))["scores"]
+            assert [(x["instance_id"], x["dp_rank"], x["matched_tokens"]) for x in scores] == [(*w, 4 * BS)]
+            assert "speculative_tokens" not in scores[0]  # no live hold: the plain answer
+            assert len(held) == 0 and held.confirmed == 1
+            r = await _post(s, f"{url_held}/v1/route", {"token_ids": p})
+            assert (r["worker"]["instance_id"], r["worker"]["dp_rank"]) == w
+            assert (r["matched_tokens"], r["speculative_tokens"]) == (4 * BS, 0)
+    finally:
+        await fleet.close()
+
+
+@pytest.mark.integration
+async def test_an_unconfirmed_hold_stops_counting_after_its_ttl(kafka_bootstrap, new_topic):
+    fleet = Fleet(kafka_bootstrap, new_topic())
+    await fleet.member.start()
+    try:
+        for i, w in enumerate(W):
+            fleet.store(w, prompt(600 + i))
+        a = fleet.member.applier
+        await _wait(lambda: len(trusted_workers(a)) == 3 and len(a.index) == 3 * 4, "the fleet")
+        ttl = 0.5
+        url = await fleet.serve(Holds(ttl))
+        p = prompt(700)
+        async with aiohttp.ClientSession() as s:
+            t0 = time.monotonic()
+            r = await _post(s, f"{url}/v1/route", {"token_ids": p})
+            assert r["hold"] == {"expires_in_ms": 500}
+            first = (await _post(s, f"{url}/v1/score", {"token_ids": p}))["scores"]
+            if time.monotonic() - t0 < ttl:  # answered inside the TTL (on a loaded machine it may not be)
+                assert [x["speculative_tokens"] for x in first] == [4 * BS]
+            while True:
+                scores = (await _post(s, f"{url}/v1/score", {"token_ids": p}))["scores"]
+                if not scores:
+                    break
+                assert time.monotonic() - t0 < 60, "the hold never expired"
+                await asyncio.sleep(0.05)
+            assert time.monotonic() - t0 >= ttl  # it counted until its TTL, never confirmed
+    finally:
+        await fleet.close()
