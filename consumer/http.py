@@ -57,7 +57,16 @@ import numpy as np
 from aiohttp import web
 
 from .apply import Applier
-from .holds import Holds, NoCandidate, block_sizes, route, score_json_with_holds, trusted_workers, with_speculation
+from .holds import (
+    Holds,
+    NoCandidate,
+    block_sizes,
+    core_read,
+    route,
+    score_json_with_holds,
+    trusted_workers,
+    with_speculation,
+)
 from .tenants import TenantError, check_extra_keys, tenant_extra_keys
 
 log = logging.getLogger(__name__)
@@ -309,7 +318,7 @@ def make_app(
         )
 
     def _sizes(block_size: int | None) -> list[int]:
-        return block_sizes(applier.index.block_sizes(), block_size)
+        return block_sizes(core_read(applier.index.block_sizes), block_size)
 
     async def route_handler(request: web.Request) -> web.Response:
         try:
