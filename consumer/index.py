@@ -39,6 +39,22 @@ Semantics (``tests/oracle.py`` is the executable spec):
   (token ids that do not cover its blocks) raises ``MalformedEvent``: with
   ``apply_batch(..., atomic=True)`` (the ingest path) nothing is applied,
   without it the events before it stay applied.
+- **KV-cache groups (hybrid models).** A block is held per (worker, medium,
+  group): one group's blocks never stand in for another's, and ``len(index)``
+  and ``WorkerStats.blocks`` count a block once per group holding it. A worker
+  whose stores named several groups, or a sparse one, is scored group by group:
+  a prefix of L tokens is usable when every full-attention group (or group of
+  a kind we do not know) holds all its blocks, every sliding-window group the
+  ``cdiv(window - 1, block_size)`` blocks before L, every Mamba group the block
+  before L (vLLM's hybrid coordinator); L is the longest such, a multiple of
+  each group's block size. ``by_medium`` is the same with one medium's blocks,
+  ``score`` gives each token of the prefix the best weight w such that the
+  media weighing >= w alone serve it. A group's kind comes from the stores'
+  ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``; snapshots do not
+  hold it (a restored group counts as full attention until its next store).
+  A store whose token ids cover more whole blocks than it has hashes (vLLM
+  skips a sparse group's null or masked blocks in ``block_hashes`` only) keeps
+  its hashes as orphans: removable, never matched.
 - Scoring: each block size present is scored separately (keys are seeded by
   block size); a worker's ``matched_tokens`` is its longest run of leading
   blocks held on any medium, ``by_medium`` the run per medium, ``score`` the
@@ -149,6 +165,8 @@ def _event_tuple(ev: Any) -> _Event | None:
             ev.parent_block_hash,
             ev.lora_name,
             ctx,
+            ev.kv_cache_spec_kind,
+            ev.kv_cache_spec_sliding_window,
         )
     if tp is BlockRemoved:
         return (1, _medium_arg(ev.medium), ev.group_idx, ev.block_hashes)

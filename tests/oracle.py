@@ -12,6 +12,14 @@ stores that keep their first key, unknown removals counted, TP aggregation
 resolution order (own table, this rank's other tables, then the worker's other
 ranks, in creation order; engine-hash entries skipped), orphans, engine-hash
 mode, several block sizes, weighted scores.
+
+Hybrid models (several KV-cache groups, ``group_idx`` with vLLM's
+``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``): a worker with more
+than one group, or a sparse one, is scored group by group. A usable prefix of
+L tokens needs every full-attention group (or group of unknown kind) to hold
+all blocks before L, a sliding-window group the ``cdiv(window - 1, block_size)``
+blocks before L, a Mamba group the block before L (vLLM's hybrid coordinator).
+Written here as a search over every candidate L.
 """
 
 from __future__ import annotations
@@ -37,6 +45,19 @@ def chain(tokens, bs: int, parent: int, lora_name=None, extra_keys=None, n: int 
     return keys
 
 
+def reach_of(kind, window, bs):
+    """Blocks a group needs before a prefix's end; None: all of them."""
+    if kind in ("sliding_window", "sliding_window_mla"):
+        return max(1, -(-(window - 1) // bs)) if window and window > 0 and bs > 0 else None
+    return 1 if kind == "mamba" else None
+
+
+def _lcm(a: int, b: int) -> int:
+    from math import gcd
+
+    return a // gcd(a, b) * b
+
+
 class _Entry:
     __slots__ = ("engine", "key", "orphan", "ref")
 
@@ -55,6 +76,8 @@ class Oracle:
         self.unknown: dict[tuple, int] = {}
         self.dups: dict[tuple, int] = {}
         self.block_sizes: set[int] = set()
+        # worker -> group -> reach (None: every block); learned from token-keyed stores
+        self.groups: dict[tuple, dict[int, int | None]] = {}
 
     def _tables(self, rank, medium, group):
         w = rank.worker
@@ -68,14 +91,25 @@ class Oracle:
         if n == 0:
             return
         engine = ev.block_size <= 0 or len(ev.token_ids) == 0
-        if not engine and len(ev.token_ids) != ev.block_size * n:
+        nt = len(ev.token_ids)
+        sparse = not engine and nt != ev.block_size * n and nt % ev.block_size == 0 and nt // ev.block_size > n
+        if not engine and nt != ev.block_size * n and not sparse:
             raise MalformedEvent("token count")
         if not engine:
             self.block_sizes.add(ev.block_size)
+            gs = self.groups.setdefault(rank.worker, {})
+            g = 0 if ev.group_idx is None else int(ev.group_idx)
+            if ev.kv_cache_spec_kind is not None:
+                gs[g] = reach_of(ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window, ev.block_size)
+            else:
+                gs.setdefault(g, None)
         table, cid = self._tables(rank, ev.medium, ev.group_idx)
         ehs = [engine_hash_u64(h) for h in ev.block_hashes]
         if engine:
             keys, orphan = [h ^ ENGINE_NS for h in ehs], False
+        elif sparse:
+            # which covered blocks the hashes are is not in the event: orphans, never matched
+            keys, orphan = [orphan_root(h) for h in ehs], True
         else:
             parent, orphan = ROOT, False
             if ev.parent_block_hash is not None:
@@ -156,29 +190,36 @@ class Oracle:
 
     # ---------------------------------------------------------------- derived state
 
-    def holders(self) -> dict[tuple, set[tuple[str, int]]]:
-        """(worker, medium) -> set of (key) held by >= tp_size ranks."""
+    def group_holders(self) -> dict[tuple, set[int]]:
+        """(worker, medium, group) -> keys held by >= tp_size ranks (groups never mix)."""
         out = {}
         for w, ranks in self.ranks.items():
-            per_medium: dict[str, dict[int, set]] = {}
+            per: dict[tuple, dict[int, set]] = {}
             for r, tables in ranks.items():
-                for (m, _g), entries in tables.items():
+                for (m, g), entries in tables.items():
                     for e in entries.values():
-                        per_medium.setdefault(m, {}).setdefault(e.key, set()).add(r)
-            for m, keys in per_medium.items():
+                        per.setdefault((m, g), {}).setdefault(e.key, set()).add(r)
+            for (m, g), keys in per.items():
                 held = {k for k, rs in keys.items() if len(rs) >= self.tp[w]}
                 if held:
-                    out[(w, m)] = held
+                    out[(w, m, g)] = held
+        return out
+
+    def holders(self) -> dict[tuple, set[int]]:
+        """(worker, medium) -> keys held, over the worker's groups."""
+        out: dict[tuple, set[int]] = {}
+        for (w, m, _g), keys in self.group_holders().items():
+            out.setdefault((w, m), set()).update(keys)
         return out
 
     def holder_blocks(self) -> dict[tuple, set[int]]:
         return {k: set(v) for k, v in self.holders().items()}
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self.holders().values())
+        return sum(len(v) for v in self.group_holders().values())
 
     def workers(self) -> dict[tuple, WorkerStats]:
-        hold = self.holders()
+        ghold = self.group_holders()
         out = {}
         for w, ranks in self.ranks.items():
             if not ranks:
@@ -190,7 +231,10 @@ class Oracle:
                 w[1],
                 self.tp[w],
                 len(ranks),
-                {m: len(keys) for (ww, m), keys in hold.items() if ww == w},
+                {
+                    m: sum(len(k) for (ww, mm, _g), k in ghold.items() if ww == w and mm == m)
+                    for m in {mm for (ww, mm, _g) in ghold if ww == w}
+                },
                 len(entries),
                 sum(e.orphan for e in entries),
                 sum(self.unknown.get(c, 0) for c in cids),
@@ -214,6 +258,12 @@ class Oracle:
         out = []
         for w in self.ranks:
             if allowed is not None and w not in allowed:
+                continue
+            gs = self.groups.get(w, {})
+            if len(gs) > 1 or any(r is not None for r in gs.values()):
+                got = self._score_grouped(w, per_bs, wts)
+                if got is not None:
+                    out.append(got)
                 continue
             media = [m for (ww, m) in hold if ww == w]
             best_run, best_score, best_by = 0, 0.0, {}
@@ -241,6 +291,46 @@ class Oracle:
                 out.append(WorkerScore(w[0], w[1], best_run, best_by, best_score))
         out.sort(key=lambda s: (-s.score, -s.matched_tokens, s.instance_id, s.dp_rank))
         return out
+
+    def _score_grouped(self, w, per_bs, wts):
+        ghold = self.group_holders()
+        media = sorted({m for tables in self.ranks[w].values() for (m, _g) in tables})
+        groups = []  # (block size, keys, reach, {medium: held keys})
+        for g, reach in self.groups[w].items():
+            by_m = {m: ghold.get((w, m, g), set()) for m in media}
+            counts = [sum(any(k in h for h in by_m.values()) for k in keys) for _bs, keys in per_bs]
+            if not counts or max(counts) == 0:
+                return None  # a group holding nothing of the prompt: nothing usable
+            bs, keys = per_bs[counts.index(max(counts))]
+            groups.append((bs, keys, reach, by_m))
+
+        def usable(ok_media) -> int:
+            step, top = 1, None
+            for bs, keys, _r, _h in groups:
+                step = _lcm(step, bs)
+                top = len(keys) * bs if top is None else min(top, len(keys) * bs)
+            best = 0
+            for L in range(0, top + 1, step):
+                fits = True
+                for bs, keys, reach, by_m in groups:
+                    nb = L // bs
+                    need = range(nb) if reach is None else range(max(0, nb - reach), nb)
+                    if not all(any(keys[i] in by_m[m] for m in ok_media) for i in need):
+                        fits = False
+                        break
+                if fits:
+                    best = L
+            return best
+
+        score, prev = 0.0, 0
+        for t in sorted({wts.get(m, self.default_weight) for m in media}, reverse=True):
+            L = usable([m for m in media if wts.get(m, self.default_weight) >= t])
+            score += max(0, L - prev) * t
+            prev = max(prev, L)
+        if prev == 0:
+            return None
+        by = {m: v for m in media if (v := usable([m]))}
+        return WorkerScore(w[0], w[1], prev, by, score)
 
 
 # ---------------------------------------------------------------- fencing and trust

@@ -28,6 +28,42 @@ pub struct Worker {
     pub tp_size: u32,
     pub ranks: Vec<Rank>,
     pub wms: Vec<u32>,
+    /// The KV-cache groups its stores named, with what each needs for a hit.
+    pub groups: Vec<GroupSpec>,
+    /// Scored group by group (`score_grouped`): several groups, or a sparse one.
+    pub grouped: bool,
+}
+
+/// What a KV-cache group must hold for a prefix of L blocks to be usable.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Reach {
+    /// Every block of the prefix (full attention, MLA, and any kind we do not know).
+    Full,
+    /// Only the last `n` blocks before the prefix's end (sliding window: the
+    /// blocks the window reaches; Mamba: the state block at the end).
+    Tail(u32),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct GroupSpec {
+    pub group: i64,
+    pub reach: Reach,
+}
+
+/// A group's reach from vLLM's spec kind (an open set) and window in tokens.
+/// vLLM's sliding-window hit needs `cdiv(window - 1, block_size)` contiguous
+/// blocks ending at the hit (`SlidingWindowManager._contiguous_blocks_for_hit`);
+/// a Mamba hit needs the block at its end. A kind we do not know, or a window
+/// we are not told, is read as full attention: it can only under-credit.
+pub fn reach_of(kind: &str, window: Option<i64>, bs: i64) -> Reach {
+    match kind {
+        "sliding_window" | "sliding_window_mla" => match window {
+            Some(w) if w > 0 && bs > 0 => Reach::Tail(((w - 1 + bs - 1) / bs).max(1) as u32),
+            _ => Reach::Full,
+        },
+        "mamba" => Reach::Tail(1),
+        _ => Reach::Full,
+    }
 }
 
 /// A rank as events name it.
@@ -52,6 +88,9 @@ pub enum Ev<'a> {
         lora: Option<&'a str>,
         /// Per-block contexts when extra keys are present (else derived from bs, lora).
         blk_ctx: Option<&'a [u64]>,
+        /// vLLM's `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` of the group.
+        kind: Option<&'a str>,
+        window: Option<i64>,
     },
     Remove {
         medium: Option<&'a str>,
@@ -79,6 +118,7 @@ enum Undo {
     Unknown(Loc),
     Clear(Loc, Box<RTable>),
     BlockSize(i64),
+    Groups(u32, Vec<GroupSpec>, bool),
 }
 
 pub fn normalize_medium(m: Option<&str>) -> std::borrow::Cow<'_, str> {
@@ -92,6 +132,42 @@ pub fn normalize_medium(m: Option<&str>) -> std::borrow::Cow<'_, str> {
                 s.into()
             }
         }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Shape {
+    /// One block of `bs` tokens per hash.
+    Dense,
+    /// The tokens cover more whole blocks than there are hashes: vLLM's
+    /// `cache_full_blocks` skips a sparse group's null or masked blocks (sliding
+    /// window, Mamba) in `block_hashes` but not in `token_ids`.
+    Sparse,
+}
+
+fn lcm(a: i64, b: i64) -> i64 {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x * b
+}
+
+/// Whether a worker is scored group by group: the plain walk credits a block
+/// held by any group, right only for a worker with one full-attention group.
+fn is_grouped(groups: &[GroupSpec]) -> bool {
+    groups.len() > 1 || groups.iter().any(|g| g.reach != Reach::Full)
+}
+
+/// How a store's `tokens` cover its `n` hashes of `bs` tokens (None: malformed).
+fn store_shape(tokens: usize, bs: i64, n: usize) -> Option<Shape> {
+    let bs = bs as usize;
+    if tokens == bs * n {
+        Some(Shape::Dense)
+    } else if tokens % bs == 0 && tokens / bs > n {
+        Some(Shape::Sparse)
+    } else {
+        None
     }
 }
 
@@ -135,10 +211,13 @@ pub struct Index {
     pub media: Vec<String>,
     media_ids: HashMap<String, u32>,
     raw_media: HashMap<String, u32>,
-    wm_ids: HashMap<(u32, u32), u32>,
+    wm_ids: HashMap<(u32, u32, i64), u32>,
     pub wm_worker: Vec<u32>,
     pub wm_medium: Vec<u32>,
-    rm_ids: HashMap<(u32, i64, u32), u32>,
+    /// wm -> its KV-cache group: a wm is (worker, medium, group), so that one
+    /// group's blocks never stand in for another's.
+    pub wm_group: Vec<i64>,
+    rm_ids: HashMap<(u32, i64, u32, i64), u32>,
     /// rm -> its worker (the score walk's one lookup per holder slot).
     rm_w: Vec<u32>,
     pub hd: Holders,
@@ -186,7 +265,15 @@ impl Index {
         } else {
             self.name_rank.clear();
         }
-        self.workers.push(Worker { inst: inst.to_owned(), dp, tp_size: tp, ranks: vec![], wms: vec![] });
+        self.workers.push(Worker {
+            inst: inst.to_owned(),
+            dp,
+            tp_size: tp,
+            ranks: vec![],
+            wms: vec![],
+            groups: vec![],
+            grouped: false,
+        });
         self.worker_ids.entry(inst.to_owned()).or_default().push((dp, w));
         w
     }
@@ -251,27 +338,28 @@ impl Index {
         if let Some(t) = wk.ranks[r].tables.iter().position(|t| t.medium == mid && t.group == group) {
             return Ok((w, r, t));
         }
-        let wm = match self.wm_ids.get(&(w, mid)) {
+        let wm = match self.wm_ids.get(&(w, mid, group)) {
             Some(&wm) => wm,
             None => {
                 let wm = self.wm_worker.len() as u32;
-                self.wm_ids.insert((w, mid), wm);
+                self.wm_ids.insert((w, mid, group), wm);
                 self.wm_worker.push(w);
                 self.wm_medium.push(mid);
+                self.wm_group.push(group);
                 self.hd.wm_tp.push(1);
                 self.hd.wm_blocks.push(0);
                 self.workers[w as usize].wms.push(wm);
                 wm
             }
         };
-        let rm = match self.rm_ids.get(&(w, rank.tp_rank, mid)) {
+        let rm = match self.rm_ids.get(&(w, rank.tp_rank, mid, group)) {
             Some(&rm) => rm,
             None => {
                 let rm = self.hd.rm_wm.len() as u32;
                 if rm > MAX_RM {
                     return Err(ApplyError::Overflow);
                 }
-                self.rm_ids.insert((w, rank.tp_rank, mid), rm);
+                self.rm_ids.insert((w, rank.tp_rank, mid, group), rm);
                 self.hd.rm_wm.push(wm);
                 self.rm_w.push(w);
                 rm
@@ -295,7 +383,7 @@ impl Index {
     pub fn validate(events: &[Ev]) -> Result<(), ApplyError> {
         for (e, ev) in events.iter().enumerate() {
             if let Ev::Store { ehs, tokens, bs, .. } = ev {
-                if *bs > 0 && !tokens.is_empty() && (tokens.len() / 4) as i64 != bs * ehs.len() as i64 {
+                if *bs > 0 && !tokens.is_empty() && store_shape(tokens.len() / 4, *bs, ehs.len()).is_none() {
                     return Err(ApplyError::Malformed(
                         e,
                         format!(
@@ -323,20 +411,24 @@ impl Index {
         let mut blocks = 0u64;
         for (e, ev) in events.iter().enumerate() {
             let r = match ev {
-                Ev::Store { medium, group, ehs, tokens, bs, parent, lora, blk_ctx } => {
+                Ev::Store { medium, group, ehs, tokens, bs, parent, lora, blk_ctx, kind, window } => {
                     let n = ehs.len();
                     if n == 0 {
                         continue;
                     }
                     let engine = *bs <= 0 || tokens.is_empty();
-                    if !engine && (tokens.len() / 4) as i64 != bs * n as i64 {
+                    let shape = if engine { Some(Shape::Dense) } else { store_shape(tokens.len() / 4, *bs, n) };
+                    let Some(shape) = shape else {
                         self.undo.clear();
                         return Err(ApplyError::Malformed(
                             e,
                             format!("{} token ids for {} blocks of {}", tokens.len() / 4, n, bs),
                         ));
-                    }
+                    };
                     blocks += n as u64;
+                    if !engine {
+                        self.learn_group(rank, *group, *bs, *kind, *window);
+                    }
                     self.store(
                         rank,
                         *medium,
@@ -347,6 +439,7 @@ impl Index {
                         *parent,
                         *lora,
                         *blk_ctx,
+                        shape == Shape::Sparse,
                     )
                 }
                 Ev::Remove { medium, group, ehs } => {
@@ -382,6 +475,7 @@ impl Index {
         parent: Option<u64>,
         lora: Option<&str>,
         blk_ctx: Option<&[u64]>,
+        sparse: bool,
     ) -> Result<(), ApplyError> {
         let l = self.table(rank, medium, group)?;
         let mut flags = 0u16;
@@ -390,6 +484,14 @@ impl Index {
         if bs == 0 {
             flags = ENGINE;
             keys.extend(ehs.iter().map(|&h| engine_key(h)));
+        } else if sparse {
+            // Which of the covered blocks these hashes are is not in the event: kept for
+            // removals and counted as orphans, never matched by a query.
+            if self.block_sizes.insert(bs) {
+                self.undo.push(Undo::BlockSize(bs));
+            }
+            flags = ORPHAN;
+            keys.extend(ehs.iter().map(|&h| orphan_root(h)));
         } else {
             if self.block_sizes.insert(bs) {
                 self.undo.push(Undo::BlockSize(bs));
@@ -439,6 +541,27 @@ impl Index {
         } else {
             Ok(())
         }
+    }
+
+    /// Record what a store says about its group: that it exists and, when the
+    /// event carries it, its kind. Logged, so a refused record teaches nothing.
+    fn learn_group(&mut self, rank: &RankId, group: i64, bs: i64, kind: Option<&str>, window: Option<i64>) {
+        let tp = rank.tp_size.max(1) as u32;
+        let w = self.worker(rank.inst, rank.dp, tp);
+        let wk = &mut self.workers[w as usize];
+        let reach = kind.map(|k| reach_of(k, window, bs));
+        let pos = wk.groups.iter().position(|g| g.group == group);
+        if let Some(p) = pos {
+            if reach.is_none_or(|r| r == wk.groups[p].reach) {
+                return;
+            }
+        }
+        self.undo.push(Undo::Groups(w, wk.groups.clone(), wk.grouped));
+        match pos {
+            Some(p) => wk.groups[p].reach = reach.expect("changed"),
+            None => wk.groups.push(GroupSpec { group, reach: reach.unwrap_or(Reach::Full) }),
+        }
+        wk.grouped = is_grouped(&wk.groups);
     }
 
     fn resolve_parent(&self, own: Loc, peh: u64) -> (u64, bool) {
@@ -576,6 +699,11 @@ impl Index {
                 Undo::BlockSize(bs) => {
                     self.block_sizes.remove(&bs);
                 }
+                Undo::Groups(w, g, grouped) => {
+                    let wk = &mut self.workers[w as usize];
+                    wk.groups = g;
+                    wk.grouped = grouped;
+                }
             }
         }
     }
@@ -627,6 +755,14 @@ impl Index {
         if let Some(m) = mask {
             for (o, &k) in ok.iter_mut().zip(m) {
                 *o = k;
+            }
+        }
+        // Grouped workers (hybrid models) are scored group by group, after the walk.
+        let mut grouped: Vec<u32> = vec![];
+        for (w, wk) in self.workers.iter().enumerate() {
+            if wk.grouped && ok[w] {
+                grouped.push(w as u32);
+                ok[w] = false;
             }
         }
         let mut wtouched: Vec<u32> = Vec::with_capacity(64);
@@ -743,6 +879,11 @@ impl Index {
                 }
             }
         }
+        if !grouped.is_empty()
+            && self.score_grouped(queries, weights, &grouped, &mut best_run, &mut best_score, &mut best_wm)
+        {
+            hit_any = true;
+        }
         if !hit_any {
             return out;
         }
@@ -787,6 +928,174 @@ impl Index {
             out.by_off.push(out.by_medium.len() as u32);
         }
         out
+    }
+
+    /// Scores of grouped workers (several KV-cache groups, or a sparse one). A
+    /// worker's usable prefix is the longest L (tokens, a multiple of every
+    /// group's block size) that every group can serve: a `Full` group holds
+    /// all blocks before L, a `Tail(n)` group the n blocks before L (vLLM's
+    /// hybrid coordinator: `find_longest_cache_hit` per group, reconciled to
+    /// one length). A block counts for a group when any medium holds it for
+    /// that group (all TP ranks). `by_medium` is the same with one medium's
+    /// blocks; `score` gives each token of the prefix the best weight w such
+    /// that the media weighing >= w alone serve it. Fills the best_* arrays;
+    /// returns whether any worker matched.
+    fn score_grouped(
+        &self,
+        queries: &[Query],
+        weights: &[f64],
+        ws: &[u32],
+        best_run: &mut [i64],
+        best_score: &mut [f64],
+        best_wm: &mut [i64],
+    ) -> bool {
+        const NONE: u32 = u32::MAX;
+        let mut slot = vec![NONE; self.wm_worker.len()];
+        let mut wms: Vec<u32> = vec![];
+        for &w in ws {
+            for &wm in &self.workers[w as usize].wms {
+                slot[wm as usize] = wms.len() as u32;
+                wms.push(wm);
+            }
+        }
+        // Per query: (block size, blocks, words per slot, held bits of every slot).
+        let mut per_q: Vec<(i64, usize, usize, Vec<u64>)> = Vec::with_capacity(queries.len());
+        let mut cnt = vec![0u32; wms.len()];
+        let mut touched: Vec<u32> = Vec::with_capacity(16);
+        let rm_wm = &self.hd.rm_wm;
+        for q in queries {
+            let (n, scale) = match q {
+                Query::Tokens { tokens, bs, .. } => (tokens.len() / 4 / bs, *bs as i64),
+                Query::Keys { keys, scale } => (keys.len(), *scale),
+            };
+            let words = n.div_ceil(64);
+            let mut bits = vec![0u64; words * wms.len()];
+            let mut key = ROOT;
+            for i in 0..n {
+                key = match q {
+                    Query::Tokens { tokens, bs, ctx } => {
+                        block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
+                    }
+                    Query::Keys { keys, .. } => keys[i],
+                };
+                touched.clear();
+                self.s.holders(key, |rm| {
+                    let sl = slot[rm_wm[rm as usize] as usize];
+                    if sl != NONE {
+                        if cnt[sl as usize] == 0 {
+                            touched.push(sl);
+                        }
+                        cnt[sl as usize] += 1;
+                    }
+                });
+                for &sl in &touched {
+                    let s = sl as usize;
+                    if cnt[s] >= self.hd.wm_tp[wms[s] as usize].max(1) {
+                        bits[s * words + i / 64] |= 1 << (i % 64);
+                    }
+                    cnt[s] = 0;
+                }
+            }
+            per_q.push((scale, n, words, bits));
+        }
+        let held = |q: usize, s: usize, i: usize| -> bool {
+            let (_, _, words, ref bits) = per_q[q];
+            bits[s * words + i / 64] >> (i % 64) & 1 != 0
+        };
+        let mut any = false;
+        for &w in ws {
+            let wk = &self.workers[w as usize];
+            // Each group: the query read for it, its block size, reach and slots. A group's
+            // keys exist at its own block size only: it is read at the query (block size)
+            // where it holds most of the prompt's blocks, the first of equals.
+            let mut gs: Vec<(usize, i64, Reach, Vec<usize>)> = vec![];
+            let mut scorable = !wk.groups.is_empty();
+            for g in &wk.groups {
+                let sl: Vec<usize> = wk
+                    .wms
+                    .iter()
+                    .filter(|&&wm| self.wm_group[wm as usize] == g.group)
+                    .map(|&wm| slot[wm as usize] as usize)
+                    .collect();
+                let mut best: Option<(usize, usize)> = None;
+                for (q, pq) in per_q.iter().enumerate() {
+                    let c = (0..pq.1).filter(|&i| sl.iter().any(|&s| held(q, s, i))).count();
+                    if c > 0 && best.is_none_or(|(_, b)| c > b) {
+                        best = Some((q, c));
+                    }
+                }
+                match best {
+                    Some((q, _)) => gs.push((q, per_q[q].0, g.reach, sl)),
+                    None => scorable = false,
+                }
+            }
+            if !scorable {
+                continue;
+            }
+            // Usable prefix in tokens with the blocks of the media `pass` admits.
+            let usable = |pass: &dyn Fn(u32) -> bool| -> i64 {
+                let mut step = 1i64;
+                let mut lmax = i64::MAX;
+                let mut cums: Vec<Vec<u32>> = Vec::with_capacity(gs.len());
+                for (q, bs, reach, sl) in &gs {
+                    let n = per_q[*q].1;
+                    let mut cum = vec![0u32; n + 1];
+                    let mut run = n;
+                    for i in 0..n {
+                        let h = sl.iter().any(|&s| pass(self.wm_medium[wms[s] as usize]) && held(*q, s, i));
+                        cum[i + 1] = cum[i] + h as u32;
+                        if !h && run == n {
+                            run = i;
+                        }
+                    }
+                    let top = if *reach == Reach::Full { run } else { n };
+                    lmax = lmax.min(top as i64 * bs);
+                    step = lcm(step, *bs);
+                    cums.push(cum);
+                }
+                let mut l = lmax / step * step;
+                while l > 0 {
+                    let fits = gs.iter().zip(&cums).all(|((_, bs, reach, _), cum)| match reach {
+                        Reach::Full => true,
+                        Reach::Tail(k) => {
+                            let nb = (l / bs) as usize;
+                            let lo = nb.saturating_sub(*k as usize);
+                            (cum[nb] - cum[lo]) as usize == nb - lo
+                        }
+                    });
+                    if fits {
+                        return l;
+                    }
+                    l -= step;
+                }
+                0
+            };
+            let mut media: Vec<u32> = wk.wms.iter().map(|&wm| self.wm_medium[wm as usize]).collect();
+            media.sort_unstable();
+            media.dedup();
+            let mut levels: Vec<f64> = media.iter().map(|&m| weights[m as usize]).collect();
+            levels.sort_by(|a, b| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal));
+            levels.dedup();
+            let (mut score, mut prev) = (0f64, 0i64);
+            for &t in &levels {
+                let l = usable(&|m| weights[m as usize] >= t);
+                score += (l - prev).max(0) as f64 * t;
+                prev = prev.max(l);
+            }
+            if prev == 0 {
+                continue;
+            }
+            any = true;
+            best_run[w as usize] = prev;
+            best_score[w as usize] = score;
+            for &m in &media {
+                let l = usable(&|x| x == m);
+                if let Some(&wm) = wk.wms.iter().find(|&&wm| self.wm_medium[wm as usize] == m) {
+                    best_wm[wm as usize] = l;
+                }
+            }
+        }
+        any
     }
 
     /// The walk when every holder is on one medium (one wm per worker): the
@@ -878,8 +1187,8 @@ impl Index {
             let r = run_wm[wm];
             if r > 0 {
                 let w = self.wm_worker[wm] as usize;
-                run_w[w] = r;
-                score_w[w] = r as f64 * weights[self.wm_medium[wm] as usize];
+                run_w[w] = run_w[w].max(r);
+                score_w[w] = score_w[w].max(r as f64 * weights[self.wm_medium[wm] as usize]);
             }
         }
         reached
@@ -911,7 +1220,12 @@ impl Index {
             for &wm in &wk.wms {
                 let b = self.hd.wm_blocks[wm as usize];
                 if b != 0 {
-                    st.blocks.push((self.media[self.wm_medium[wm as usize] as usize].clone(), b));
+                    // A worker's groups are counted apart, each block once per group holding it.
+                    let m = &self.media[self.wm_medium[wm as usize] as usize];
+                    match st.blocks.iter_mut().find(|(x, _)| x == m) {
+                        Some((_, n)) => *n += b,
+                        None => st.blocks.push((m.clone(), b)),
+                    }
                 }
             }
             for r in &wk.ranks {
@@ -959,11 +1273,30 @@ impl Index {
 
     /// Order-independent digest over the holder-blocks (key, wm) whose
     /// `seeds[wm]` is non-zero: (sum mod 2^64 of xxh3(key LE, seed), count).
+    /// A key held by several groups of one (worker, medium) counts once: the
+    /// digest is over (worker, medium, key), as it was before groups were kept apart.
     pub fn digest(&self, seeds: &[u64]) -> (u64, u64) {
         let mut total = 0u64;
         let mut n = 0u64;
+        // wm -> the first wm of its (worker, medium) when that pair has several (groups).
+        let mut first: HashMap<(u32, u32), u32> = HashMap::new();
+        let mut canon = vec![u32::MAX; self.wm_worker.len()];
+        let mut shared = vec![false; self.wm_worker.len()];
+        for wm in 0..self.wm_worker.len() {
+            let c = *first.entry((self.wm_worker[wm], self.wm_medium[wm])).or_insert(wm as u32);
+            canon[wm] = c;
+            if c != wm as u32 {
+                shared[wm] = true;
+                shared[c as usize] = true;
+            }
+        }
+        let mut seen: std::collections::HashSet<(u64, u32)> = std::collections::HashSet::new();
         self.holder_keys(|key, wm| {
-            let seed = seeds[wm as usize];
+            let c = canon[wm as usize];
+            if shared[wm as usize] && !seen.insert((key, c)) {
+                return;
+            }
+            let seed = seeds[c as usize];
             if seed != 0 {
                 total = total.wrapping_add(crate::keys::xxh3(&key.to_le_bytes(), seed));
                 n += 1;
@@ -989,6 +1322,14 @@ impl Index {
         dups: i64,
     ) -> Result<(), String> {
         let l = self.table(rank, Some(medium), group).map_err(|_| "too many (rank, medium) pairs".to_string())?;
+        if metas.iter().any(|&m| m & ENGINE == 0) {
+            // Snapshots do not hold group kinds: full attention until the next store says otherwise.
+            let wk = &mut self.workers[l.0 as usize];
+            if !wk.groups.iter().any(|g| g.group == group) {
+                wk.groups.push(GroupSpec { group, reach: Reach::Full });
+                wk.grouped = is_grouped(&wk.groups);
+            }
+        }
         let rm = self.tab(l).rm;
         self.tab(l).reserve(ehs.len());
         for i in 0..ehs.len() {
@@ -1037,6 +1378,8 @@ mod tests {
             parent: None,
             lora: None,
             blk_ctx: None,
+            kind: None,
+            window: None,
         };
         assert_eq!(ix.apply(&r, &[ev], true), Ok(4));
         assert_eq!(ix.holder_blocks(), 4);
@@ -1057,6 +1400,8 @@ mod tests {
                 parent: None,
                 lora: None,
                 blk_ctx: None,
+                kind: None,
+                window: None,
             };
             ix.apply(&r, &[ev], true).unwrap();
         }
@@ -1074,6 +1419,8 @@ mod tests {
                 parent: None,
                 lora: None,
                 blk_ctx: None,
+                kind: None,
+                window: None,
             },
             Ev::Store {
                 medium: None,
@@ -1084,6 +1431,8 @@ mod tests {
                 parent: None,
                 lora: None,
                 blk_ctx: None,
+                kind: None,
+                window: None,
             },
         ];
         // After the clear the hash is new, so this record does not overflow...
@@ -1099,6 +1448,8 @@ mod tests {
                 parent: None,
                 lora: None,
                 blk_ctx: None,
+                kind: None,
+                window: None,
             };
             ix.apply(&r, &[ev], true).unwrap();
         }
@@ -1115,6 +1466,8 @@ mod tests {
                 parent: None,
                 lora: None,
                 blk_ctx: None,
+                kind: None,
+                window: None,
             },
             Ev::Store {
                 medium: None,
@@ -1125,6 +1478,8 @@ mod tests {
                 parent: None,
                 lora: None,
                 blk_ctx: None,
+                kind: None,
+                window: None,
             },
         ];
         assert_eq!(ix.apply(&r, &evs, true), Err(ApplyError::Overflow));

@@ -241,6 +241,8 @@ fn events<'a>(rec: &'a Record, o: &'a Owned) -> Vec<Ev<'a>> {
                 parent: o.parents[i],
                 lora: s.lora_name,
                 blk_ctx: o.ctx[i].as_deref(),
+                kind: s.kv_cache_spec_kind,
+                window: s.kv_cache_spec_sliding_window.map(i64::from),
             },
             Event::Removed(r) => {
                 Ev::Remove { medium: r.medium, group: r.group_idx.unwrap_or(0) as i64, ehs: &o.ehs[i] }

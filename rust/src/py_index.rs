@@ -102,6 +102,8 @@ pub(crate) struct OwnedEv {
     parent: Option<u64>,
     lora: Option<String>,
     blk_ctx: Option<Vec<u64>>,
+    spec_kind: Option<String>,
+    window: Option<i64>,
 }
 
 pub(crate) fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
@@ -116,6 +118,8 @@ pub(crate) fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
         parent: None,
         lora: None,
         blk_ctx: None,
+        spec_kind: None,
+        window: None,
     };
     if kind == 2 {
         return Ok(ev);
@@ -132,6 +136,10 @@ pub(crate) fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
         let c = t.get_item(8)?;
         if !c.is_none() {
             ev.blk_ctx = Some(words_u64(RawBuf::get(&c)?.bytes()));
+        }
+        if t.len() > 10 {
+            ev.spec_kind = t.get_item(9)?.extract()?;
+            ev.window = t.get_item(10)?.extract()?;
         }
     }
     Ok(ev)
@@ -150,6 +158,8 @@ pub(crate) fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
                 parent: e.parent,
                 lora: e.lora.as_deref(),
                 blk_ctx: e.blk_ctx.as_deref(),
+                kind: e.spec_kind.as_deref(),
+                window: e.window,
             },
             1 => Ev::Remove { medium: e.medium.as_deref(), group: e.group, ehs: &e.ehs },
             _ => Ev::Clear,
