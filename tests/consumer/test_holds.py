@@ -307,6 +307,32 @@ async def test_http_route_oversized_and_non_json(client):
     assert r.status == 400 and "invalid JSON" in (await r.json())["error"]
 
 
+async def test_peers_answer_without_their_holds_and_the_front_adds_its_own():
+    """In a group of members, a peer asked with local=true answers index state only; the member
+    the request reached routes on the merged confirmed answer and adds its own holds."""
+    peer_applier = fleet()
+    p = prompt(14)
+    store(peer_applier, W[2], 1, p[: 2 * BS])  # w2's blocks live in the peer's partitions
+    peer_holds = Holds(2.0, clock=Clock())
+    async with TestClient(TestServer(make_app(peer_applier, lambda: True, holds=peer_holds))) as peer:
+        await peer.post("/v1/route", json={"token_ids": prompt(15)})  # a hold of the peer's own
+        assert len(peer_holds) == 1
+        front_holds = Holds(2.0, clock=Clock())
+        front = make_app(Applier(), lambda: True, peers=[str(peer.make_url(""))], holds=front_holds)
+        async with TestClient(TestServer(front)) as c:
+            r = await (await c.post("/v1/route", json={"token_ids": p})).json()
+            assert r["worker"] == {"instance_id": "w2", "dp_rank": 0} and r["matched_tokens"] == 2 * BS
+            assert r["partial"] is False and len(front_holds) == 1
+            body = await (await c.post("/v1/score", json={"token_ids": p})).json()
+            assert [(x["instance_id"], x["matched_tokens"], x["speculative_tokens"]) for x in body["scores"]] == [
+                ("w2", 2 * BS, 4 * BS)
+            ]
+            # The peer's hold (another prompt) never shows through the scatter.
+            body = await (await c.post("/v1/score", json={"token_ids": prompt(15)})).json()
+            assert all("speculative_tokens" not in x or x["speculative_tokens"] == 0 for x in body["scores"])
+            assert body["scores"] == []
+
+
 # ------------------------------------------------------------------ the burst, through a real broker
 
 
