@@ -226,6 +226,20 @@ class RankStream:
                 self._enq += 1
                 self._last_ts_us = now_us
 
+    def final_item(self, now_us: int) -> QueueItem:
+        """An empty record past close()'s gate, carrying every loss so far (loop thread)."""
+        with self._lock:
+            self._enq += 1
+            return QueueItem(self, (), None, now_us, self._epoch, self._lost)
+
+    def owes_gap(self) -> bool:
+        """Losses no sent record has owned up to yet (what the next record's gap would be)."""
+        with self._lock:
+            lost, epoch = self._lost, self._epoch
+        if epoch is not self._sent_epoch:
+            return lost > epoch.base_lost
+        return lost - self._accounted + self._carry > 0
+
     def heartbeat_due(self, now_us: int, interval_us: int) -> bool:
         """Silent for an interval and nothing of ours still queued."""
         return now_us - self._last_ts_us >= interval_us and self._enq == self._taken
@@ -539,10 +553,21 @@ class KafkaPublisher:
         ev = self._wake_ev
         poll, deep = self.config.poll_interval_s, self.config.sleep_after_idle_s
         idle_since = None
+        final: set[RankStream] = set()
         while True:
             if not q:
                 if self._closing:
-                    return
+                    # Batches dropped at the very end have no later record to carry their gap:
+                    # one last empty record per such stream owns up to them (once: if that one
+                    # is lost too, close() has nothing left to say it with).
+                    owing = [st for st in self._streams if st not in final and st.owes_gap()]
+                    if not owing:
+                        return
+                    now_us = time.time_ns() // 1000
+                    for st in owing:
+                        final.add(st)
+                        q.append(st.final_item(now_us))
+                    continue
                 now = time.monotonic()
                 if idle_since is None:
                     idle_since = now

@@ -209,6 +209,27 @@ async def test_overflow_is_dropped_and_counted_into_gap(kafka_bootstrap):
     assert st.dropped == 8 and st.gap_sent == 8 and st.published == 4
 
 
+async def test_losses_at_the_very_end_are_carried_by_a_last_record_at_close(kafka_bootstrap):
+    # Dropped after the last accepted batch, with nothing published later: without a record
+    # of its own the loss would never reach the log, and a consumer would trust the stream.
+    topic = fresh_topic()
+    pub = KafkaPublisher(config(kafka_bootstrap, topic, partitions=1, queue_size=2))
+    s = pub.stream(WorkerId("tail", 0))
+    wait_for(lambda: s.stats().acked == 1, what="epoch announcement")
+    gate = threading.Event()
+    pub._loop.call_soon_threadsafe(gate.wait)
+    results = [s.publish(one_block(i)) for i in range(7)]
+    s.report_gap(2)
+    gate.set()
+    pub.close()
+    assert results == [True] * 2 + [False] * 5
+    batches = [b for _, b in by_rank(await read_all(kafka_bootstrap, topic, 1))[("tail", 0, 0)]]
+    check_stream(batches)
+    assert [len(b.events) for b in batches] == [0, 1, 1, 0]
+    assert [b.gap for b in batches] == [0, 0, 0, 7]
+    assert s.stats().gap_sent == 7
+
+
 async def test_publish_never_raises_on_garbage(kafka_bootstrap):
     topic = fresh_topic()
     pub = KafkaPublisher(config(kafka_bootstrap, topic, partitions=1))
