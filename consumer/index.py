@@ -50,8 +50,7 @@ Semantics (``tests/oracle.py`` is the executable spec):
   each group's block size. ``by_medium`` is the same with one medium's blocks,
   ``score`` gives each token of the prefix the best weight w such that the
   media weighing >= w alone serve it. A group's kind comes from the stores'
-  ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``; snapshots do not
-  hold it (a restored group counts as full attention until its next store).
+  ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window`` (snapshots keep it).
   A store whose token ids cover more whole blocks than it has hashes (vLLM
   skips a sparse group's null or masked blocks in ``block_hashes`` only) keeps
   its hashes as orphans: removable, never matched.
@@ -377,7 +376,15 @@ class PrefixIndex:
         """
         ws = sorted({(str(w[0]), int(w[1])) for w in workers})
         tables, ehs, keys, metas = self.core.export_workers(ws)
-        head = msgspec.msgpack.encode({"block_sizes": self.core.block_sizes(), "tables": [list(t) for t in tables]})
+        head = msgspec.msgpack.encode(
+            {
+                "block_sizes": self.core.block_sizes(),
+                "tables": [list(t) for t in tables],
+                # KV-cache groups and their reach (tail blocks, 0 = every block); an older
+                # reader ignores the key, a blob without it restores groups as full attention.
+                "groups": [list(g) for g in self.core.export_groups(ws)],
+            }
+        )
         pad = -(_EXPORT_HEAD.size + len(head)) % 8
         return b"".join(
             [_EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, 0, len(head)), head, b"\0" * pad, ehs, keys, metas]
@@ -401,6 +408,7 @@ class PrefixIndex:
             head = msgspec.msgpack.decode(mv[hs : hs + hlen])
             tables = head["tables"]
             block_sizes = [int(b) for b in head["block_sizes"]]
+            groups = [(str(i), int(d), int(g), int(t)) for i, d, g, t in head.get("groups", ())]
             n = sum(int(t[6]) for t in tables)
         except (msgspec.DecodeError, KeyError, TypeError, IndexError, ValueError) as e:
             raise ValueError(f"index blob header: {e}") from None
@@ -425,6 +433,8 @@ class PrefixIndex:
                 int(dups),
             )
             i += cnt
+        for inst, dp, g, tail in groups:
+            self.core.import_group(inst, dp, g, tail)
         return n
 
     def digest(self, workers: Iterable[tuple[str, int]] | None = None) -> str:

@@ -1323,7 +1323,7 @@ impl Index {
     ) -> Result<(), String> {
         let l = self.table(rank, Some(medium), group).map_err(|_| "too many (rank, medium) pairs".to_string())?;
         if metas.iter().any(|&m| m & ENGINE == 0) {
-            // Snapshots do not hold group kinds: full attention until the next store says otherwise.
+            // The group's reach follows from the snapshot's group list (`set_group`); until then, full.
             let wk = &mut self.workers[l.0 as usize];
             if !wk.groups.iter().any(|g| g.group == group) {
                 wk.groups.push(GroupSpec { group, reach: Reach::Full });
@@ -1346,6 +1346,18 @@ impl Index {
         t.unknown += unknown;
         t.dups += dups;
         Ok(())
+    }
+
+    /// A group's reach as a snapshot recorded it (the worker exists once its tables do).
+    pub fn set_group(&mut self, inst: &str, dp: i64, group: i64, reach: Reach) {
+        if let Some(w) = self.worker_id(inst, dp) {
+            let wk = &mut self.workers[w as usize];
+            match wk.groups.iter_mut().find(|g| g.group == group) {
+                Some(g) => g.reach = reach,
+                None => wk.groups.push(GroupSpec { group, reach }),
+            }
+            wk.grouped = is_grouped(&wk.groups);
+        }
     }
 
     pub fn add_block_size(&mut self, bs: i64) {

@@ -26,7 +26,7 @@ use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict};
 use crate::index::{ApplyError, Ev, Index, RankId};
 use crate::keys::{self};
-use crate::py_index::{borrow_events, owned_event, PyIndex};
+use crate::py_index::{borrow_events, owned_event, wait_borrow, PyIndex};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// Why a record was dead-lettered after its bytes decoded.
@@ -425,24 +425,29 @@ impl PyFence {
         self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, approximate }) as u8
     }
 
-    fn approximate_workers(&self) -> Vec<(String, i64)> {
-        self.fence.approximate_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
+    fn approximate_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
+        let this = wait_borrow(slf);
+        this.fence.approximate_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
-    fn worker_trusted(&self, inst: &str, dp: i64) -> bool {
-        self.fence.worker_trusted(inst, dp)
+    fn worker_trusted(slf: &Bound<'_, Self>, inst: &str, dp: i64) -> bool {
+        let this = wait_borrow(slf);
+        this.fence.worker_trusted(inst, dp)
     }
 
-    fn untrusted_workers(&self) -> Vec<(String, i64)> {
-        self.fence.untrusted_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
+    fn untrusted_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
+        let this = wait_borrow(slf);
+        this.fence.untrusted_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
-    fn workers(&self) -> Vec<(String, i64)> {
-        self.fence.workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
+    fn workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
+        let this = wait_borrow(slf);
+        this.fence.workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
-    fn expired(&self, now_us: i64, timeout_us: i64) -> Vec<(String, i64, i64)> {
-        self.fence.expired(now_us, timeout_us)
+    fn expired(slf: &Bound<'_, Self>, now_us: i64, timeout_us: i64) -> Vec<(String, i64, i64)> {
+        let this = wait_borrow(slf);
+        this.fence.expired(now_us, timeout_us)
     }
 
     fn forget(&mut self, inst: &str, dp: i64, tp_rank: i64) {
@@ -458,8 +463,9 @@ impl PyFence {
     }
 
     /// Every rank: (inst, dp, tp_rank, epoch, last_seq, trusted, reason, last_seen_us, retired, records, gaps).
-    fn ranks(&self) -> Vec<RankRow> {
-        self.fence
+    fn ranks(slf: &Bound<'_, Self>) -> Vec<RankRow> {
+        let this = wait_borrow(slf);
+        this.fence
             .all()
             .map(|(i, d, t, s)| {
                 (
@@ -479,8 +485,9 @@ impl PyFence {
             .collect()
     }
 
-    fn tp_sizes(&self) -> Vec<(String, i64, i64)> {
-        self.fence.tp_sizes().map(|(i, d, t)| (i.to_owned(), d, t)).collect()
+    fn tp_sizes(slf: &Bound<'_, Self>) -> Vec<(String, i64, i64)> {
+        let this = wait_borrow(slf);
+        this.fence.tp_sizes().map(|(i, d, t)| (i.to_owned(), d, t)).collect()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -527,7 +534,7 @@ pub fn score_trusted<'py>(
     as_json: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     let (untrusted, approx) = {
-        let f = fence.borrow();
+        let f = wait_borrow(fence);
         (PyList::new(py, f.fence.untrusted_workers())?, PyList::new(py, f.fence.approximate_workers())?)
     };
     PyIndex::score(index, py, queries, None, None, Some(untrusted.as_any()), top_k, as_json, Some(approx.as_any()))

@@ -254,6 +254,19 @@ impl Drop for ReadGuard {
     }
 }
 
+/// A shared borrow of a core object from a thread that may meet a write call in progress:
+/// an apply call holds its exclusive borrow while it runs Python code (a declined record's
+/// fallback, metrics), where the interpreter can switch to an HTTP thread. pyo3 would raise
+/// "Already mutably borrowed" there; the reader waits for the call to end instead.
+pub(crate) fn wait_borrow<'py, T: pyo3::PyClass>(slf: &Bound<'py, T>) -> PyRef<'py, T> {
+    loop {
+        match slf.try_borrow() {
+            Ok(b) => return b,
+            Err(_) => slf.py().detach(std::thread::yield_now),
+        }
+    }
+}
+
 #[pyclass(module = "kvwire._core", name = "Index")]
 pub struct PyIndex {
     pub ix: Shared,
@@ -527,27 +540,31 @@ impl PyIndex {
     }
 
     /// (instance_id, dp_rank) of every worker id ever seen, by id.
-    fn worker_names(&self) -> Vec<(String, i64)> {
-        self.ix.workers.iter().map(|w| (w.inst.clone(), w.dp)).collect()
+    fn worker_names(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
+        let this = wait_borrow(slf);
+        this.ix.workers.iter().map(|w| (w.inst.clone(), w.dp)).collect()
     }
 
-    fn media(&self) -> Vec<String> {
-        self.ix.media.clone()
+    fn media(slf: &Bound<'_, Self>) -> Vec<String> {
+        let this = wait_borrow(slf);
+        this.ix.media.clone()
     }
 
     /// (instance_id, dp_rank, medium) of every wm, by id.
-    fn wm_names(&self) -> Vec<(String, i64, String)> {
-        (0..self.ix.wm_worker.len())
+    fn wm_names(slf: &Bound<'_, Self>) -> Vec<(String, i64, String)> {
+        let this = wait_borrow(slf);
+        (0..this.ix.wm_worker.len())
             .map(|wm| {
-                let w = &self.ix.workers[self.ix.wm_worker[wm] as usize];
-                (w.inst.clone(), w.dp, self.ix.media[self.ix.wm_medium[wm] as usize].clone())
+                let w = &this.ix.workers[this.ix.wm_worker[wm] as usize];
+                (w.inst.clone(), w.dp, this.ix.media[this.ix.wm_medium[wm] as usize].clone())
             })
             .collect()
     }
 
     #[allow(clippy::type_complexity)]
-    fn stats(&self) -> Vec<(String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64)> {
-        self.ix
+    fn stats(slf: &Bound<'_, Self>) -> Vec<(String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64)> {
+        let this = wait_borrow(slf);
+        this.ix
             .stats()
             .into_iter()
             .map(|s| (s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown, s.dups))
@@ -555,30 +572,35 @@ impl PyIndex {
     }
 
     /// (wm ids, keys) of every holder-block, as u32 and u64 bytes.
-    fn holder_keys<'py>(&self, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+    fn holder_keys<'py>(slf: &Bound<'py, Self>, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let this = wait_borrow(slf);
         let mut wms: Vec<u8> = vec![];
         let mut ks = vec![];
-        self.ix.holder_keys(|k, wm| {
+        this.ix.holder_keys(|k, wm| {
             wms.extend_from_slice(&wm.to_le_bytes());
             ks.push(k);
         });
         (PyBytes::new(py, &wms), u64_bytes(py, ks))
     }
 
-    fn __len__(&self) -> usize {
-        self.ix.holder_blocks()
+    fn __len__(slf: &Bound<'_, Self>) -> usize {
+        let this = wait_borrow(slf);
+        this.ix.holder_blocks()
     }
 
-    fn entries(&self) -> i64 {
-        self.ix.entries()
+    fn entries(slf: &Bound<'_, Self>) -> i64 {
+        let this = wait_borrow(slf);
+        this.ix.entries()
     }
 
-    fn nbytes(&self) -> usize {
-        self.ix.nbytes()
+    fn nbytes(slf: &Bound<'_, Self>) -> usize {
+        let this = wait_borrow(slf);
+        this.ix.nbytes()
     }
 
-    fn block_sizes(&self) -> Vec<i64> {
-        self.ix.block_sizes.iter().copied().collect()
+    fn block_sizes(slf: &Bound<'_, Self>) -> Vec<i64> {
+        let this = wait_borrow(slf);
+        this.ix.block_sizes.iter().copied().collect()
     }
 
     fn add_block_sizes(&mut self, sizes: Vec<i64>) {
@@ -587,17 +609,44 @@ impl PyIndex {
         }
     }
 
-    fn has_blocks(&self) -> bool {
-        self.ix.s.count > 0
+    /// The KV-cache groups of these workers and what each needs:
+    /// [(inst, dp, group, tail blocks or 0 for every block)].
+    fn export_groups(slf: &Bound<'_, Self>, workers: Vec<(String, i64)>) -> Vec<(String, i64, i64, u32)> {
+        let this = wait_borrow(slf);
+        let mut out = vec![];
+        for (inst, dp) in workers {
+            if let Some(w) = this.ix.worker_id(&inst, dp) {
+                for g in &this.ix.workers[w as usize].groups {
+                    let tail = match g.reach {
+                        crate::index::Reach::Full => 0,
+                        crate::index::Reach::Tail(n) => n,
+                    };
+                    out.push((inst.clone(), dp, g.group, tail));
+                }
+            }
+        }
+        out
+    }
+
+    /// Install a group's reach from a snapshot (tail 0: every block).
+    fn import_group(&mut self, inst: &str, dp: i64, group: i64, tail: u32) {
+        let reach = if tail == 0 { crate::index::Reach::Full } else { crate::index::Reach::Tail(tail) };
+        self.ix.set_group(inst, dp, group, reach);
+    }
+
+    fn has_blocks(slf: &Bound<'_, Self>) -> bool {
+        let this = wait_borrow(slf);
+        this.ix.s.count > 0
     }
 
     /// (sum, count) over holder-blocks of xxh3(key, seeds[wm]) where seeds[wm] != 0.
-    fn digest(&self, seeds: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+    fn digest(slf: &Bound<'_, Self>, seeds: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
+        let this = wait_borrow(slf);
         let s = words_u64(RawBuf::get(seeds)?.bytes());
-        if s.len() < self.ix.wm_worker.len() {
+        if s.len() < this.ix.wm_worker.len() {
             return Err(PyValueError::new_err("one seed per wm"));
         }
-        Ok(self.ix.digest(&s))
+        Ok(this.ix.digest(&s))
     }
 
     /// The tables of these workers, in their order (ranks, then tables):

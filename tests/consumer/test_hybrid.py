@@ -146,12 +146,13 @@ def test_kinds_survive_the_avro_record_and_the_core_decoder():
     assert a.score(SEQ) == orc.score(SEQ) == []
 
 
-def test_a_snapshot_keeps_the_groups_apart():
-    evs = [put(SEQ, 0, 4, 0, FULL), put(SEQ, 0, 10, 1, FULL)]
-    src, orc = both((A, evs))
+def test_a_snapshot_keeps_the_groups_apart_and_their_kinds():
+    evs = [put(SEQ, 0, 4, 0, FULL), put(SEQ, 0, 10, 1, FULL), put(SEQ, 0, 8, 2, sw(BS + 1)), drop(SEQ, [0], 2)]
+    src, orc = both((A, evs), (C, [put(SEQ, 0, 9, 0, MAMBA), drop(SEQ, range(7), 0)]))
     dst = PrefixIndex()
-    dst.import_workers(src.export_workers({("a", 0)}))
+    dst.import_workers(src.export_workers({("a", 0), ("c", 0)}))
     assert dst.score(SEQ) == src.score(SEQ) == orc.score(SEQ)
+    assert credit(src, orc) == {("a", 0): 4 * BS, ("c", 0): 9 * BS}
     assert dst.digest() == src.digest()
 
 
