@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import daemon
 from . import probe
 from .local import JVM_OPTS, BrokerError, LocalKafka, default_home, new_cluster_id
 
@@ -130,11 +131,11 @@ class LocalCluster:
         """Graceful, all nodes at once: one by one, the last ones would wait for a controller
         quorum that has already gone and hang until killed."""
         pids = [(n, n.pid()) for n in self.nodes]
-        for n, pid in pids:
+        for _n, pid in pids:
             if pid is not None:
-                n._signal(pid, signal.SIGTERM)
+                daemon.send(pid, signal.SIGTERM)
         for n, pid in pids:
-            if pid is not None and not n._wait_dead(pid, timeout_s):
+            if pid is not None and not daemon.wait_dead(pid, timeout_s):
                 log.warning("broker pid %s ignored SIGTERM for %.0fs; killing", pid, timeout_s)
             n.kill()  # no-op for a node that is gone; also drops its pid file
 

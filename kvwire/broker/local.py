@@ -4,22 +4,20 @@ and CI machines, and a mock broker would hide exactly the group/offset semantics
 from __future__ import annotations
 
 import base64
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
-import shlex
 import shutil
 import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import daemon
 from . import probe
 
 log = logging.getLogger("kvwire.broker")
@@ -51,23 +49,6 @@ class Status:
     running: bool
     bootstrap: str
     pid: int | None
-
-
-def _alive(pid: int) -> bool:
-    # The JVM's main thread turns zombie before its other threads have exited and released the
-    # listening sockets, and our PID 1 may never reap it: alive = any thread not yet dead.
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return False
-    for task in tasks:
-        try:
-            stat = (task / "stat").read_text()
-        except OSError:
-            continue
-        if stat.rpartition(")")[2].split()[0] not in ("Z", "X"):
-            return True
-    return False
 
 
 class LocalKafka:
@@ -117,7 +98,7 @@ class LocalKafka:
         ``wait=False`` returns once the JVM is launched: a cluster member cannot answer until a
         quorum of its peers is up, so the cluster launches all of them before waiting."""
         self.home.mkdir(parents=True, exist_ok=True)
-        with self._lock():  # concurrent starters (CLI + pytest) must not launch two JVMs
+        with daemon.file_lock(self.home / ".lock"):  # concurrent starters (CLI + pytest): one JVM
             pid = self.pid()
             if pid is not None:
                 if wait:
@@ -150,22 +131,16 @@ class LocalKafka:
     def stop(self, timeout_s: float = 30.0) -> None:
         """Graceful (SIGTERM: controlled shutdown, clean log), SIGKILL if it hangs."""
         pid = self.pid()
-        if pid is None:
-            self.pid_path.unlink(missing_ok=True)
-            return
-        self._signal(pid, signal.SIGTERM)
-        if not self._wait_dead(pid, timeout_s):
-            log.warning("broker pid %s ignored SIGTERM for %.0fs; killing", pid, timeout_s)
-            self._signal(pid, signal.SIGKILL)
-            self._wait_dead(pid, 10)
+        if pid is not None and not daemon.stop(pid, timeout_s):
+            log.warning("broker pid %s ignored SIGTERM for %.0fs; killed", pid, timeout_s)
         self.pid_path.unlink(missing_ok=True)
 
     def kill(self) -> None:
         """SIGKILL, no controlled shutdown: for fault tests; the data dir is kept for restart()."""
         pid = self.pid()
         if pid is not None:
-            self._signal(pid, signal.SIGKILL)
-            self._wait_dead(pid, 10)
+            daemon.send(pid, signal.SIGKILL)
+            daemon.wait_dead(pid, 10)
         self.pid_path.unlink(missing_ok=True)
 
     def restart(self, *, hard: bool = False) -> str:
@@ -179,14 +154,7 @@ class LocalKafka:
 
     def pid(self) -> int | None:
         """The pid of *this home's* broker if alive (guards against pid reuse by other processes)."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            return None
-        if str(self.config_path).encode() not in cmdline or not _alive(pid):
-            return None
-        return pid
+        return daemon.owned_pid(self.pid_path, str(self.config_path))
 
     def ensure_libs(self) -> Path:
         """Resolve the broker jars with Maven once; a marker keyed on the pom redoes partial copies."""
@@ -304,59 +272,16 @@ class LocalKafka:
 
     def _spawn(self) -> int:
         cmd = self._java("kafka.Kafka", str(self.config_path), opts=self.jvm_opts + self._cds_opts())
-        quoted = " ".join(shlex.quote(a) for a in cmd)
-        # `sh -c '... &'` orphans the JVM at once: no zombie or ResourceWarning in the caller,
-        # and its own session keeps it alive after the CLI or pytest exits.
-        log_file = shlex.quote(str(self.log_path))
-        r = subprocess.run(
-            ["sh", "-c", f"{quoted} >>{log_file} 2>&1 </dev/null & echo $!"],
-            capture_output=True,
-            text=True,
-            start_new_session=True,
-            check=True,
-        )
-        pid = int(r.stdout.strip())
-        self.pid_path.write_text(f"{pid}\n")
+        pid = daemon.spawn(cmd, self.log_path, self.pid_path)
         log.info("started Kafka pid %s on %s (log %s)", pid, self.bootstrap, self.log_path)
         return pid
 
     def _wait_ready(self, pid: int) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if not _alive(pid):
-                raise BrokerError(f"Kafka exited during startup; log tail:\n{self.log_tail()}")
-            if probe.answers(self.bootstrap, 5.0, **self.client_config):
-                return
-            time.sleep(0.25)
-        raise BrokerError(f"Kafka not ready after {self.start_timeout_s:.0f}s; log tail:\n{self.log_tail()}")
+        why = daemon.wait_ready(
+            pid, lambda: probe.answers(self.bootstrap, 5.0, **self.client_config), self.start_timeout_s
+        )
+        if why is not None:
+            raise BrokerError(f"Kafka {why}; log tail:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
-
-    @staticmethod
-    def _signal(pid: int, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-    @staticmethod
-    def _wait_dead(pid: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)  # reap if it happens to be our child
-            if not _alive(pid):
-                return True
-            time.sleep(0.1)
-        return not _alive(pid)
-
-    @contextlib.contextmanager
-    def _lock(self) -> Iterator[None]:
-        with open(self.home / ".lock", "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        return daemon.log_tail(self.log_path, n)

@@ -10,25 +10,20 @@ name registry ids, so a restarted registry must still know them."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import logging
 import os
-import shlex
 import shutil
-import signal
 import subprocess
 import tarfile
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwire.broker.local import _alive
+from kvwire import daemon
 from kvwire.broker.probe import port_open
 
 log = logging.getLogger("kvwire.registry")
@@ -115,7 +110,7 @@ class LocalRegistry:
     def start(self) -> str:
         """Idempotent: the URL of the already running registry or of a new one."""
         self.home.mkdir(parents=True, exist_ok=True)
-        with self._lock(self.home / ".lock"):  # a CLI and a test session must not start two JVMs
+        with daemon.file_lock(self.home / ".lock"):  # a CLI and a test session must not start two JVMs
             pid = self.pid()
             if pid is not None:
                 self._wait_ready(pid)
@@ -136,12 +131,8 @@ class LocalRegistry:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         pid = self.pid()
-        if pid is not None:
-            self._signal(pid, signal.SIGTERM)
-            if not self._wait_dead(pid, timeout_s):
-                log.warning("registry pid %s ignored SIGTERM for %.0fs; killing", pid, timeout_s)
-                self._signal(pid, signal.SIGKILL)
-                self._wait_dead(pid, 10)
+        if pid is not None and not daemon.stop(pid, timeout_s):
+            log.warning("registry pid %s ignored SIGTERM for %.0fs; killed", pid, timeout_s)
         self.pid_path.unlink(missing_ok=True)
 
     def wipe(self) -> None:
@@ -150,14 +141,7 @@ class LocalRegistry:
 
     def pid(self) -> int | None:
         """The pid of *this home's* registry if alive (guards against pid reuse)."""
-        try:
-            pid = int(self.pid_path.read_text().strip())
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            return None
-        if self._marker().encode() not in cmdline or not _alive(pid):
-            return None
-        return pid
+        return daemon.owned_pid(self.pid_path, self._marker())
 
     def ensure_dist(self) -> Path:
         """Resolve the distribution with Maven once (Maven caches the tarball in ~/.m2 too)."""
@@ -168,7 +152,7 @@ class LocalRegistry:
         if not mvn or not shutil.which("java"):
             raise RegistryStartError("a local schema registry needs `java` (>=17) and `mvn` on PATH")
         self.dist.parent.mkdir(parents=True, exist_ok=True)
-        with self._lock(self.dist.parent / f".{self.dist.name}.lock"):
+        with daemon.file_lock(self.dist.parent / f".{self.dist.name}.lock"):
             if marker.exists() and marker.read_text() == ARTIFACT and self.runner.exists():
                 return self.dist
             log.info("resolving %s with Maven into %s (first run only)", ARTIFACT, self.dist)
@@ -201,10 +185,7 @@ class LocalRegistry:
         return self.dist
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return "(no log)"
+        return daemon.log_tail(self.log_path, n)
 
     # -- internals ---------------------------------------------------------------------------
     def _marker(self) -> str:
@@ -224,58 +205,15 @@ class LocalRegistry:
         ]
 
     def _spawn(self) -> int:
-        quoted = " ".join(shlex.quote(a) for a in self.command())
-        log_file = shlex.quote(str(self.log_path))
         # Orphaned at once (as the broker is): it outlives the CLI or the test session.
-        r = subprocess.run(
-            ["sh", "-c", f"cd {shlex.quote(str(self.home))} && {quoted} >>{log_file} 2>&1 </dev/null & echo $!"],
-            capture_output=True,
-            text=True,
-            start_new_session=True,
-            check=True,
-        )
-        pid = int(r.stdout.strip())
-        self.pid_path.write_text(f"{pid}\n")
+        pid = daemon.spawn(self.command(), self.log_path, self.pid_path, cwd=self.home)
         log.info("started Apicurio Registry pid %s on %s (log %s)", pid, self.url, self.log_path)
         return pid
 
     def _wait_ready(self, pid: int) -> None:
-        deadline = time.monotonic() + self.start_timeout_s
-        while time.monotonic() < deadline:
-            if not _alive(pid):
-                raise RegistryStartError(f"the registry exited during startup; log tail:\n{self.log_tail()}")
-            if answers(self.url):
-                return
-            time.sleep(0.25)
-        raise RegistryStartError(
-            f"the registry was not ready after {self.start_timeout_s:.0f}s; log tail:\n{self.log_tail()}"
-        )
-
-    @staticmethod
-    def _signal(pid: int, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-    @staticmethod
-    def _wait_dead(pid: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with contextlib.suppress(ChildProcessError):
-                os.waitpid(pid, os.WNOHANG)
-            if not _alive(pid):
-                return True
-            time.sleep(0.1)
-        return not _alive(pid)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _lock(path: Path) -> Iterator[None]:
-        with open(path, "w") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        why = daemon.wait_ready(pid, lambda: answers(self.url), self.start_timeout_s)
+        if why is not None:
+            raise RegistryStartError(f"the registry {why}; log tail:\n{self.log_tail()}")
 
 
 def resolve_url() -> str:
