@@ -267,19 +267,15 @@ def make_app(
     app = web.Application(client_max_size=max_body_bytes)
     session: dict[str, aiohttp.ClientSession] = {}
 
-    async def score(request: web.Request) -> web.Response:
+    async def parse(request: web.Request, decode: Callable[[bytes], Any]) -> tuple[Any, Any] | web.Response:
+        """A request body -> (request, its tenant keys), or the 4xx answer: 413 over the body
+        or token limit, 400 for anything outside the schema (checked first, whatever the size)."""
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"body over {max_body_bytes} bytes")
         try:
-            if request.content_type == BINARY:
-                req = binary_request(body, request.query, max_tokens)
-            else:
-                if request.query:
-                    query_request(request.query)
-                req = _decoder.decode(body)
-            # Before the token count: a request outside the schema is a 400 whatever its size.
+            req = decode(body)
             extra = tenant_keys(req)
             if len(req.token_ids) > max_tokens:
                 return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
@@ -289,6 +285,32 @@ def make_app(
             return _error(400, f"invalid request: {e}")
         except msgspec.DecodeError as e:
             return _error(400, f"invalid JSON: {e}")
+        return req, extra
+
+    def score_body(request: web.Request) -> Callable[[bytes], Any]:
+        if request.content_type == BINARY:
+            return lambda body: binary_request(body, request.query, max_tokens)
+
+        def decode(body: bytes) -> Any:
+            if request.query:
+                query_request(request.query)
+            return _decoder.decode(body)
+
+        return decode
+
+    def route_body(request: web.Request) -> Callable[[bytes], Any]:
+        def decode(body: bytes) -> Any:
+            if request.query:
+                raise BadRequest(400, "invalid request: /v1/route takes no query parameters")
+            return _route_decoder.decode(body)
+
+        return decode
+
+    async def score(request: web.Request) -> web.Response:
+        parsed = await parse(request, score_body(request))
+        if isinstance(parsed, web.Response):
+            return parsed
+        req, extra = parsed
         t0 = time.perf_counter()
         try:
             return await _score(req, extra)
@@ -321,23 +343,10 @@ def make_app(
         return block_sizes(core_read(applier.index.block_sizes), block_size)
 
     async def route_handler(request: web.Request) -> web.Response:
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, f"body over {max_body_bytes} bytes")
-        try:
-            if request.query:
-                raise BadRequest(400, "invalid request: /v1/route takes no query parameters")
-            req = _route_decoder.decode(body)
-            extra = tenant_keys(req)
-            if len(req.token_ids) > max_tokens:
-                return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
-        except BadRequest as e:
-            return _error(e.status, str(e))
-        except msgspec.ValidationError as e:
-            return _error(400, f"invalid request: {e}")
-        except msgspec.DecodeError as e:
-            return _error(400, f"invalid JSON: {e}")
+        parsed = await parse(request, route_body(request))
+        if isinstance(parsed, web.Response):
+            return parsed
+        req, extra = parsed
         tokens = _packed(req.token_ids)
         cands = None if req.candidates is None else [(c.instance_id, c.dp_rank) for c in req.candidates]
         confirmed = None

@@ -4,6 +4,8 @@ Imports stay inside the command: every `kvwire ...` call imports this module."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 app = typer.Typer(add_completion=False, help="Forward a vLLM ZMQ KV-event stream to Kafka.")
@@ -46,13 +48,60 @@ def bridge(
         help="Schema registry (Confluent API) for --framing confluent; credentials from the environment.",
     ),
 ) -> None:
+    from kvwire.producer.zmq_bridge import ZmqBridge
+
+    run_bridge(
+        ZmqBridge,
+        "vllm-zmq",
+        "vLLM",
+        zmq_endpoint=zmq_endpoint,
+        instance_id=instance_id,
+        bootstrap_servers=bootstrap_servers,
+        topic=topic,
+        replay_endpoint=replay_endpoint,
+        model=model,
+        dp_rank=dp_rank,
+        zmq_topic=zmq_topic,
+        partitions=partitions,
+        replay_timeout_s=replay_timeout_s,
+        liveness_interval_s=liveness_interval_s,
+        log_level=log_level,
+        kafka_config=kafka_config,
+        framing=framing,
+        schema_registry_url=schema_registry_url,
+    )
+
+
+def run_bridge(
+    bridge_cls: Any,
+    source: str,
+    engine: str,
+    *,
+    zmq_endpoint: str,
+    instance_id: str,
+    bootstrap_servers: str,
+    topic: str,
+    replay_endpoint: str | None,
+    model: str,
+    dp_rank: int,
+    zmq_topic: str,
+    partitions: int,
+    replay_timeout_s: float,
+    liveness_interval_s: float,
+    log_level: str,
+    kafka_config: str | None,
+    framing: str = "single-object",
+    schema_registry_url: str | None = None,
+) -> None:
+    """One engine's ZMQ stream (one DP rank) into Kafka until SIGINT/SIGTERM: the body of
+    `kvwire bridge` and `kvwire sglang-bridge`, which differ only in the payload decoder."""
     import asyncio
     import logging
     import signal
 
     from kvwire.options import client_options
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
-    from kvwire.producer.zmq_bridge import BridgeConfig, ZmqBridge
+    from kvwire.producer.zmq_bridge import BridgeConfig
     from kvwire.schemas.events import WorkerId
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -68,9 +117,10 @@ def bridge(
             schema_registry_url=schema_registry_url,
         )
     )
-    # The ZMQ stream is emitted after TP aggregation: one rank per worker.
-    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source="vllm-zmq", state_known=False)
-    br = ZmqBridge(
+    # The ZMQ stream is emitted after TP aggregation (vLLM), or by attention TP rank 0 only
+    # (SGLang): one rank per worker. Its state is unknown until the bridge has replayed.
+    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source=source, state_known=False)
+    br = bridge_cls(
         BridgeConfig(
             zmq_endpoint,
             replay_endpoint,
@@ -87,7 +137,9 @@ def bridge(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        log.info("bridging %s -> %s/%s as %s/%d", zmq_endpoint, bootstrap_servers, topic, instance_id, dp_rank)
+        log.info(
+            "bridging %s %s -> %s/%s as %s/%d", engine, zmq_endpoint, bootstrap_servers, topic, instance_id, dp_rank
+        )
         await br.run(stop)
 
     try:

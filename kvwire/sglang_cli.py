@@ -30,50 +30,24 @@ def sglang_bridge(
         None, "--kafka-config", envvar="KVWIRE_KAFKA_CONFIG", help="Kafka client properties file"
     ),
 ) -> None:
-    import asyncio
-    import logging
-    import signal
-
-    from kvwire.options import client_options
-    from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
+    from kvwire.bridge_cli import run_bridge
     from kvwire.producer.sglang_source import SOURCE, SglangBridge
-    from kvwire.producer.zmq_bridge import BridgeConfig
-    from kvwire.schemas.events import WorkerId
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    log = logging.getLogger("kvwire.sglang_bridge")
-    pub = KafkaPublisher(
-        PublisherConfig(
-            bootstrap_servers=bootstrap_servers,
-            topic=topic,
-            partitions=partitions,
-            client_options=client_options(kafka_config),
-        )
+    run_bridge(
+        SglangBridge,
+        SOURCE,
+        "SGLang",
+        zmq_endpoint=zmq_endpoint,
+        instance_id=instance_id,
+        bootstrap_servers=bootstrap_servers,
+        topic=topic,
+        replay_endpoint=replay_endpoint,
+        model=model,
+        dp_rank=dp_rank,
+        zmq_topic=zmq_topic,
+        partitions=partitions,
+        replay_timeout_s=replay_timeout_s,
+        liveness_interval_s=liveness_interval_s,
+        log_level=log_level,
+        kafka_config=kafka_config,
     )
-    # One SGLang publisher per independent KV cache (attention TP rank 0): one rank per worker.
-    stream = pub.stream(WorkerId(instance_id, dp_rank, 0, 1, model), source=SOURCE, state_known=False)
-    br = SglangBridge(
-        BridgeConfig(
-            zmq_endpoint,
-            replay_endpoint,
-            zmq_topic,
-            replay_timeout_s,
-            expected_dp_rank=dp_rank,
-            liveness_interval_s=liveness_interval_s,
-        ),
-        stream,
-    )
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        log.info("bridging SGLang %s -> %s/%s as %s/%d", zmq_endpoint, bootstrap_servers, topic, instance_id, dp_rank)
-        await br.run(stop)
-
-    try:
-        asyncio.run(main())
-    finally:
-        pub.close()
-        log.info("bridge stopped: %s", br.stats)
