@@ -183,6 +183,7 @@ class Holds:
         self._live = 0
         self._routes: deque[tuple[float, Worker]] = deque()
         self._load: Counter[Worker] = Counter()
+        self.made = 0
         self.confirmed = 0
         self.expired = 0
 
@@ -261,6 +262,7 @@ class Holds:
             self._first.setdefault((bs, int(k[0])), []).append(h)
         self._same[self._ident(worker, keys)] = h
         self._live += 1
+        self.made += 1
         while self._live > self.max_holds:
             oldest = self._order.popleft()
             self._kill(oldest)

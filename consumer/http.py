@@ -264,6 +264,7 @@ def make_app(
 
     peers = [p.rstrip("/") for p in (peers or [])]
     held = holds if holds is not None else Holds()
+    applier.metrics.watch_holds(held)
     app = web.Application(client_max_size=max_body_bytes)
     session: dict[str, aiohttp.ClientSession] = {}
 
@@ -347,6 +348,13 @@ def make_app(
         if isinstance(parsed, web.Response):
             return parsed
         req, extra = parsed
+        t0 = time.perf_counter()
+        try:
+            return await _route(req, extra)
+        finally:
+            applier.metrics.route_latency.labels("scatter" if peers else "local").observe(time.perf_counter() - t0)
+
+    async def _route(req: RouteRequest, extra: list[Any] | None) -> web.Response:
         tokens = _packed(req.token_ids)
         cands = None if req.candidates is None else [(c.instance_id, c.dp_rank) for c in req.candidates]
         confirmed = None

@@ -9,8 +9,11 @@ operators asked for p50/p99 directly.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 LAG_WINDOW = 4096
 
@@ -51,7 +54,24 @@ class IngestMetrics:
             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
             registry=r,
         )
+        self.route_latency = Histogram(
+            "kvwire_route_latency_seconds",
+            "Time to answer POST /v1/route (local index and any peers)",
+            ["scope"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
         self._lags: deque[int] = deque(maxlen=LAG_WINDOW)
+        self._holds: Any = None
+
+    def watch_holds(self, holds: Any) -> None:
+        """Export a member's speculative holds (``consumer.holds.Holds``), read at scrape time.
+        Apps of one member share one ``Holds``: watching it again is a no-op."""
+        if self._holds is holds:
+            return
+        if self._holds is None:
+            self.registry.register(_HoldsCollector(self))
+        self._holds = holds
 
     def observe_lag_us(self, lag_us: int) -> None:
         self._lags.append(lag_us)
@@ -69,3 +89,20 @@ class IngestMetrics:
             if v is not None:
                 self.lag_quantile.labels(k[1:]).set(v / 1000)
         return generate_latest(self.registry)
+
+
+class _HoldsCollector:
+    """Holds live now, and how many were made and ended (confirmed by the worker's own
+    BlockStored, or expired): a high expired share means the TTL is shorter than the lag."""
+
+    def __init__(self, metrics: IngestMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        h = self.metrics._holds
+        yield GaugeMetricFamily("kvwire_holds_live", "Speculative holds counting now", value=len(h))
+        yield CounterMetricFamily("kvwire_holds_made", "Speculative holds recorded by /v1/route", value=h.made)
+        ended = CounterMetricFamily("kvwire_holds_ended", "Speculative holds ended, by why", labels=["why"])
+        ended.add_metric(["confirmed"], h.confirmed)
+        ended.add_metric(["expired"], h.expired)
+        yield ended

@@ -273,6 +273,25 @@ async def test_http_route_and_score_show_the_hold(client):
     assert await (await client.post("/v1/score", json={"token_ids": p})).read() == plain
 
 
+def _metric(text: str, name: str) -> float:
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+async def test_holds_and_route_latency_are_exported(client):
+    p = prompt(13)
+    await client.post("/v1/route", json={"token_ids": p})
+    await client.post("/v1/route", json={"token_ids": prompt(14)})
+    text = await (await client.get("/metrics")).text()
+    assert _metric(text, "kvwire_holds_live") == 2
+    assert _metric(text, "kvwire_holds_made_total") == 2
+    assert _metric(text, 'kvwire_route_latency_seconds_count{scope="local"}') == 2
+    client.clock.t += 3
+    text = await (await client.get("/metrics")).text()
+    assert _metric(text, "kvwire_holds_live") == 0
+    assert _metric(text, 'kvwire_holds_ended_total{why="expired"}') == 2
+    assert _metric(text, 'kvwire_holds_ended_total{why="confirmed"}') == 0
+
+
 @pytest.mark.parametrize(
     "body,status",
     [
