@@ -952,15 +952,40 @@ impl Index {
         const NONE: u32 = u32::MAX;
         let mut slot = vec![NONE; self.wm_worker.len()];
         let mut wms: Vec<u32> = vec![];
+        // Full-attention (worker, group) pairs: a slot's pair (NONE: not full attention) and,
+        // per worker, its pairs. With one block size, a worker whose full groups stopped
+        // holding the prompt cannot use anything past that block: the probe ends once every
+        // worker has (those without a full group keep it going).
+        let mut pair = vec![NONE; 0];
+        let mut pairs_of: Vec<std::ops::Range<usize>> = Vec::with_capacity(ws.len());
+        let mut npairs = 0usize;
         for &w in ws {
-            for &wm in &self.workers[w as usize].wms {
-                slot[wm as usize] = wms.len() as u32;
-                wms.push(wm);
+            let wk = &self.workers[w as usize];
+            let first = npairs;
+            for g in wk.groups.iter().filter(|g| g.reach == Reach::Full) {
+                for &wm in &wk.wms {
+                    if self.wm_group[wm as usize] == g.group {
+                        slot[wm as usize] = wms.len() as u32;
+                        wms.push(wm);
+                        pair.push(npairs as u32);
+                    }
+                }
+                npairs += 1;
+            }
+            pairs_of.push(first..npairs);
+            for &wm in &wk.wms {
+                if slot[wm as usize] == NONE {
+                    slot[wm as usize] = wms.len() as u32;
+                    wms.push(wm);
+                    pair.push(NONE);
+                }
             }
         }
+        let early = self.block_sizes.len() == 1;
         // Per query: (block size, blocks, words per slot, held bits of every slot).
         let mut per_q: Vec<(i64, usize, usize, Vec<u64>)> = Vec::with_capacity(queries.len());
         let mut cnt = vec![0u32; wms.len()];
+        let mut lit = vec![false; wms.len()]; // the slot holds some block of the prompt
         let mut touched: Vec<u32> = Vec::with_capacity(16);
         let rm_wm = &self.hd.rm_wm;
         for q in queries {
@@ -971,7 +996,13 @@ impl Index {
             let words = n.div_ceil(64);
             let mut bits = vec![0u64; words * wms.len()];
             let mut key = ROOT;
+            // Workers still probing (index into ws) and each full pair's leading run.
+            let mut alive: Vec<usize> = (0..ws.len()).collect();
+            let mut run = vec![0u32; npairs];
             for i in 0..n {
+                if early && alive.is_empty() {
+                    break;
+                }
                 key = match q {
                     Query::Tokens { tokens, bs, ctx } => {
                         block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
@@ -992,8 +1023,16 @@ impl Index {
                     let s = sl as usize;
                     if cnt[s] >= self.hd.wm_tp[wms[s] as usize].max(1) {
                         bits[s * words + i / 64] |= 1 << (i % 64);
+                        lit[s] = true;
+                        if pair[s] != NONE && run[pair[s] as usize] == i as u32 {
+                            run[pair[s] as usize] = i as u32 + 1;
+                        }
                     }
                     cnt[s] = 0;
+                }
+                if early {
+                    let next = i as u32 + 1;
+                    alive.retain(|&x| pairs_of[x].is_empty() || pairs_of[x].clone().all(|p| run[p] == next));
                 }
             }
             per_q.push((scale, n, words, bits));
@@ -1005,6 +1044,12 @@ impl Index {
         let mut any = false;
         for &w in ws {
             let wk = &self.workers[w as usize];
+            // A group that holds none of the prompt leaves nothing usable: most workers stop here.
+            let lit_group =
+                |g: i64| wk.wms.iter().any(|&wm| self.wm_group[wm as usize] == g && lit[slot[wm as usize] as usize]);
+            if !wk.groups.iter().all(|g| lit_group(g.group)) {
+                continue;
+            }
             // Each group: the query read for it, its block size, reach and slots. A group's
             // keys exist at its own block size only: it is read at the query (block size)
             // where it holds most of the prompt's blocks, the first of equals.
@@ -1019,7 +1064,10 @@ impl Index {
                     .collect();
                 let mut best: Option<(usize, usize)> = None;
                 for (q, pq) in per_q.iter().enumerate() {
-                    let c = (0..pq.1).filter(|&i| sl.iter().any(|&s| held(q, s, i))).count();
+                    let (words, bits) = (pq.2, &pq.3);
+                    let c: usize = (0..words)
+                        .map(|k| sl.iter().fold(0u64, |acc, &s| acc | bits[s * words + k]).count_ones() as usize)
+                        .sum();
                     if c > 0 && best.is_none_or(|(_, b)| c > b) {
                         best = Some((q, c));
                     }
