@@ -109,6 +109,18 @@ def test_a_group_of_unknown_kind_is_read_as_full_attention():
     assert credit(ix, orc) == {}
 
 
+def test_groups_of_different_block_sizes_meet_at_a_common_multiple():
+    # Full attention in blocks of 2*BS, the window group in blocks of BS (vLLM's hybrid page
+    # sizes can differ): a usable prefix is a multiple of both.
+    seq = SEQ
+    full = put(seq, 0, 4, 0, FULL, bs=2 * BS)  # 8 BS-blocks worth
+    swa = put(seq, 0, 10, 1, sw(2 * BS + 1))
+    ix, orc = both((A, [full, swa, drop(seq, [7], 1)]))
+    # L <= 8*BS (full); the window needs blocks L-2, L-1 of size BS: L=8*BS needs 6,7 (7 gone);
+    # L=6*BS (a multiple of 2*BS) needs 4,5: held.
+    assert credit(ix, orc) == {("a", 0): 6 * BS}
+
+
 def test_tp_ranks_must_all_hold_each_groups_blocks():
     evs0 = [put(SEQ, 0, 6, 0, FULL), put(SEQ, 0, 6, 1, sw(BS + 1))]
     evs1 = [put(SEQ, 0, 6, 0, FULL), put(SEQ, 4, 5, 1, sw(BS + 1))]  # rank 1's window holds block 4 only
