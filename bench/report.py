@@ -205,6 +205,32 @@ def replay_sentence(res: Results) -> str:
     )
 
 
+def hybrid_block(res: Results) -> str:
+    """Grouped scoring of a hybrid fleet beside the same fleet as plain workers (bench/hybrid.py)."""
+    h = res.get("hybrid") or {}
+    if "plain" not in h or "hybrid" not in h:
+        return "Hybrid fleet beside a plain one: not measured yet (`python -m bench.hybrid`)."
+    rows = [
+        "| fleet | holder-blocks | apply blocks/s | score p50 µs (on-CPU) | score p99 µs (on-CPU) | workers matched per query |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in ("plain", "hybrid"):
+        r = h[name]
+        sc = r["score"]
+        rows.append(
+            f"| {name} | {fmt(r['holder_blocks'])} | {fmt(r['apply_blocks_per_s'])} | "
+            f"{fmt(sc['wall_us']['p50'])} ({fmt(sc['cpu_us']['p50'])}) | "
+            f"{fmt(sc['wall_us']['p99'])} ({fmt(sc['cpu_us']['p99'])}) | {fmt(r['matched_per_query'])} |"
+        )
+    ratio = h.get("hybrid_over_plain", {})
+    return (
+        f"{fmt(h.get('conversations'))} conversations of 8k tokens over 256 workers; the hybrid fleet adds a "
+        f"{fmt(h.get('window_tokens'))}-token sliding-window group. 8k-token queries, top 16. Hybrid over "
+        f"plain: score p50 ×{fmt(ratio.get('score_p50_cpu'))} on-CPU, p99 ×{fmt(ratio.get('score_p99_cpu'))}; "
+        f"apply rate ×{fmt(ratio.get('apply_rate'))}.\n\n" + "\n".join(rows)
+    )
+
+
 def faults_table(res: Results) -> str:
     f = res.get("faults") or {}
     out = [
@@ -279,6 +305,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "codec": codec_paragraph,
     "replay": replay_sentence,
     "faults": faults_table,
+    "hybrid": hybrid_block,
     "kafka_side": kafka_side_block,
 }
 

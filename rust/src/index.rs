@@ -996,8 +996,13 @@ impl Index {
             let words = n.div_ceil(64);
             let mut bits = vec![0u64; words * wms.len()];
             let mut key = ROOT;
-            // Workers still probing (index into ws) and each full pair's leading run.
+            // Workers still probing (index into ws), their wms as a bitset, and each full
+            // pair's leading run.
             let mut alive: Vec<usize> = (0..ws.len()).collect();
+            let mut live = vec![0u64; self.wm_worker.len().div_ceil(64)];
+            for &wm in &wms {
+                live[wm as usize >> 6] |= 1 << (wm & 63);
+            }
             let mut run = vec![0u32; npairs];
             for i in 0..n {
                 if early && alive.is_empty() {
@@ -1009,30 +1014,53 @@ impl Index {
                     }
                     Query::Keys { keys, .. } => keys[i],
                 };
-                touched.clear();
-                self.s.holders(key, |rm| {
-                    let sl = slot[rm_wm[rm as usize] as usize];
-                    if sl != NONE {
-                        if cnt[sl as usize] == 0 {
-                            touched.push(sl);
-                        }
-                        cnt[sl as usize] += 1;
+                let mut hold = |s: usize| {
+                    bits[s * words + i / 64] |= 1 << (i % 64);
+                    lit[s] = true;
+                    if pair[s] != NONE && run[pair[s] as usize] == i as u32 {
+                        run[pair[s] as usize] = i as u32 + 1;
                     }
-                });
-                for &sl in &touched {
-                    let s = sl as usize;
-                    if cnt[s] >= self.hd.wm_tp[wms[s] as usize].max(1) {
-                        bits[s * words + i / 64] |= 1 << (i % 64);
-                        lit[s] = true;
-                        if pair[s] != NONE && run[pair[s] as usize] == i as u32 {
-                            run[pair[s] as usize] = i as u32 + 1;
+                };
+                if let Some(hs) = self.s.multi.get(&key) {
+                    // A shared prompt's key: its holder set (TP counted) beats scanning 100+ slots.
+                    for (wi, &word) in hs.iter().enumerate() {
+                        let mut b = word & live.get(wi).copied().unwrap_or(0);
+                        while b != 0 {
+                            hold(slot[wi * 64 + b.trailing_zeros() as usize] as usize);
+                            b &= b - 1;
                         }
                     }
-                    cnt[s] = 0;
+                } else {
+                    touched.clear();
+                    self.s.holders(key, |rm| {
+                        let wm = rm_wm[rm as usize] as usize;
+                        if live[wm >> 6] >> (wm & 63) & 1 != 0 {
+                            let sl = slot[wm];
+                            if cnt[sl as usize] == 0 {
+                                touched.push(sl);
+                            }
+                            cnt[sl as usize] += 1;
+                        }
+                    });
+                    for &sl in &touched {
+                        let s = sl as usize;
+                        if cnt[s] >= self.hd.wm_tp[wms[s] as usize].max(1) {
+                            hold(s);
+                        }
+                        cnt[s] = 0;
+                    }
                 }
                 if early {
                     let next = i as u32 + 1;
-                    alive.retain(|&x| pairs_of[x].is_empty() || pairs_of[x].clone().all(|p| run[p] == next));
+                    alive.retain(|&x| {
+                        let on = pairs_of[x].is_empty() || pairs_of[x].clone().all(|p| run[p] == next);
+                        if !on {
+                            for &wm in &self.workers[ws[x] as usize].wms {
+                                live[wm as usize >> 6] &= !(1 << (wm & 63));
+                            }
+                        }
+                        on
+                    });
                 }
             }
             per_q.push((scale, n, words, bits));

@@ -22,6 +22,14 @@ from kvwire.consumer.index import PrefixIndex
 from kvwire.schemas import codec
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
 
+
+@pytest.fixture(autouse=True, params=[None, 1], ids=["holder_sets_default", "every_key_a_set"])
+def holder_sets(request, monkeypatch):
+    """The grouped walk reads a shared key's holder set where one exists, its slots otherwise:
+    every test runs with the core's default threshold and with every key a set."""
+    monkeypatch.setattr(PrefixIndex, "holder_sets_at", request.param)
+
+
 BS = 4
 A = WorkerId("a", 0)
 B0, B1 = WorkerId("b", 0, 0, 2), WorkerId("b", 0, 1, 2)
