@@ -59,6 +59,8 @@ class RankState(msgspec.Struct):
     untrusted_reason: str = ""
     records: int = 0
     gaps: int = 0
+    # Its latest record came from a source that cannot observe removals.
+    approximate: bool = False
 
 
 class RankTable:
@@ -89,8 +91,8 @@ class RankTable:
     @property
     def ranks(self) -> dict[tuple[str, int, int], RankState]:
         return {
-            (i, d, t): RankState(e, s, tr, seen, deque(ret, maxlen=RETIRED_EPOCHS), why, recs, gaps)
-            for i, d, t, e, s, tr, why, seen, ret, recs, gaps in self.core.ranks()
+            (i, d, t): RankState(e, s, tr, seen, deque(ret, maxlen=RETIRED_EPOCHS), why, recs, gaps, approx)
+            for i, d, t, e, s, tr, why, seen, ret, recs, gaps, approx in self.core.ranks()
         }
 
     @property
@@ -113,6 +115,7 @@ class RankTable:
             list(st.retired)[-RETIRED_EPOCHS:],
             st.records,
             st.gaps,
+            st.approximate,
         )
 
     def worker_trusted(self, worker: tuple[str, int]) -> bool:

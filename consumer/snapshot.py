@@ -94,6 +94,9 @@ class RankRecord(msgspec.Struct, array_like=True):
     retired: list[int]
     records: int
     gaps: int
+    # Appended later: a snapshot without it decodes as False, and a reader that predates it
+    # ignores the trailing field.
+    approximate: bool = False
 
 
 class SnapshotBody(msgspec.Struct, array_like=True):
@@ -165,6 +168,7 @@ def capture(applier: Applier, topic: str, partition: int) -> SnapshotBody:
             list(s.retired),
             s.records,
             s.gaps,
+            s.approximate,
         )
         for (i, d, t), s in sorted(applier.ranks.ranks.items())
         if (i, d) in workers
@@ -207,6 +211,7 @@ def load(applier: Applier, body: SnapshotBody, untrusted_reason: str | None = No
             r.untrusted_reason,
             r.records,
             r.gaps,
+            r.approximate,
         )
         if untrusted_reason:
             st.trusted, st.untrusted_reason = False, untrusted_reason

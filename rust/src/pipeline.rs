@@ -389,7 +389,7 @@ pub fn apply_decoded<'py>(
     Ok((verdict, tally_tuple(py, &t)?, dead))
 }
 
-type RankRow = (String, i64, i64, i64, i64, bool, String, i64, Vec<i64>, i64, i64);
+type RankRow = (String, i64, i64, i64, i64, bool, String, i64, Vec<i64>, i64, i64, bool);
 
 /// `kvwire.consumer.rank_state.RankTable`'s state, in Rust.
 #[pyclass(module = "kvwire._core", name = "Fence")]
@@ -480,6 +480,7 @@ impl PyFence {
                     s.retired.iter().copied().collect(),
                     s.records,
                     s.gaps,
+                    s.approximate,
                 )
             })
             .collect()
@@ -491,6 +492,7 @@ impl PyFence {
     }
 
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, last_seq, trusted, reason, last_seen_us, retired, records, gaps, approximate=false))]
     fn restore(
         &mut self,
         inst: &str,
@@ -505,8 +507,8 @@ impl PyFence {
         retired: Vec<i64>,
         records: i64,
         gaps: i64,
+        approximate: bool,
     ) {
-        // Snapshots do not carry it: a restored rank reads as exact until its next record says otherwise.
         let st = RankState {
             epoch,
             last_seq,
@@ -516,7 +518,7 @@ impl PyFence {
             reason,
             records,
             gaps,
-            approximate: false,
+            approximate,
         };
         self.fence.restore(inst, dp, tp_rank, st, tp_size);
     }

@@ -81,6 +81,27 @@ def test_python_decode_path_marks_exactly_the_approximate_worker():
     expect(marks, http, mine, set())
 
 
+def test_a_snapshot_keeps_the_mark_and_an_older_one_restores_exact():
+    from kvwire.consumer.snapshot import RankRecord, SnapshotBody, capture, decode_snapshot, encode_snapshot, load
+
+    a = applier_of(FIRST)
+    # Both workers in one partition, as if one member owned them.
+    a.workers_by_partition[0] = {("exact", 0), ("approx", 0)}
+    body = decode_snapshot(encode_snapshot(capture(a, "t", 0)))
+    b = Applier()
+    load(b, body)
+    assert b.ranks.approximate_workers() == {("approx", 0)}
+    assert {s.instance_id: s.approximate for s in b.score(TOKENS)} == {"exact": False, "approx": True}
+    # A snapshot written before ranks carried the mark: its rank records lack the last field.
+    old = SnapshotBody(**{f: getattr(body, f) for f in SnapshotBody.__struct_fields__})
+    raw = msgspec.msgpack.encode(old)
+    legacy = msgspec.msgpack.decode(raw)
+    legacy[4] = [r[: len(RankRecord.__struct_fields__) - 1] for r in legacy[4]]
+    c = Applier()
+    load(c, msgspec.msgpack.decode(msgspec.msgpack.encode(legacy), type=SnapshotBody))
+    assert c.ranks.approximate_workers() == set()
+
+
 @pytest.mark.integration
 def test_through_the_broker_and_a_real_index_member(kafka_bootstrap, new_topic):
     topic = new_topic(partitions=1)
