@@ -40,7 +40,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -407,25 +407,6 @@ def with_speculation(scores: Sequence[Mapping[str, Any]], spec: Mapping[Worker, 
     return sorted(out.values(), key=order_key)[:limit]
 
 
-T = TypeVar("T")
-
-
-def core_read(fn: Callable[[], T], tries: int = 1000) -> T:
-    """``fn()``, retried while the core's write side holds the object it reads.
-
-    These reads (block sizes, the fence's worker sets, a restricted score) run on HTTP threads
-    beside ingest; a core method other than the score walk raises "Already mutably borrowed"
-    when it meets an apply call in progress instead of waiting for it (the score walk waits)."""
-    for _ in range(tries - 1):
-        try:
-            return fn()
-        except RuntimeError as e:
-            if "borrow" not in str(e):
-                raise
-            time.sleep(0)
-    return fn()
-
-
 _encode = msgspec.json.Encoder().encode
 _decode_scores = msgspec.json.Decoder(list[dict[str, Any]]).decode
 
@@ -445,19 +426,19 @@ def score_json_with_holds(
     if not holds.live():
         out: bytes = applier.score_json(token_ids, lora_name, block_size, top_k, extra_keys)
         return out
-    sizes = block_sizes(core_read(applier.index.block_sizes), block_size)
+    sizes = block_sizes(applier.index.block_sizes(), block_size)
     spec = holds.credit(token_ids, lora_name, extra_keys, sizes)
     # The answer lists trusted workers only, holds or not (a route may name any candidate).
     trusted = set(trusted_workers(applier))
     spec = {w: t for w, t in spec.items() if w in trusted}
     # Every confirmed answer: a worker cut by top_k may rank higher with its hold.
-    full = _decode_scores(core_read(lambda: applier.score_json(token_ids, lora_name, block_size, None, extra_keys)))
+    full = _decode_scores(applier.score_json(token_ids, lora_name, block_size, None, extra_keys))
     return _encode(with_speculation(full, spec, top_k))
 
 
 def confirmed_tokens(applier: Any, h: Hold) -> int:
     """The hold's worker's confirmed matched_tokens for the hold's prompt (0 when untrusted)."""
-    got = core_read(lambda: applier.score(h.tokens, lora_name=h.lora_name, extra_keys=h.extra_keys, workers=[h.worker]))
+    got = applier.score(h.tokens, lora_name=h.lora_name, extra_keys=h.extra_keys, workers=[h.worker])
     return max((s.matched_tokens for s in got), default=0)
 
 
@@ -467,7 +448,7 @@ def maintain(applier: Any, holds: Holds) -> int:
 
 def trusted_workers(applier: Any) -> list[Worker]:
     """Every worker the index knows whose ranks are all trusted, in (instance_id, dp_rank) order."""
-    return sorted(core_read(lambda: applier.ranks.known_workers() - applier.ranks.untrusted_workers()))
+    return sorted(applier.ranks.known_workers() - applier.ranks.untrusted_workers())
 
 
 def route(
@@ -487,17 +468,13 @@ def route(
     if not cands:
         raise NoCandidate("no candidate worker: none given and no trusted worker known")
     if confirmed_scores is None:
-        got = core_read(
-            lambda: applier.score(
-                token_ids, lora_name=lora_name, block_size=block_size, extra_keys=extra_keys, workers=cands
-            )
-        )
+        got = applier.score(token_ids, lora_name=lora_name, block_size=block_size, extra_keys=extra_keys, workers=cands)
         conf = {(s.instance_id, s.dp_rank): (s.matched_tokens, s.score) for s in got}
     else:
         conf = {
             (s["instance_id"], s["dp_rank"]): (int(s["matched_tokens"]), float(s["score"])) for s in confirmed_scores
         }
-    sizes = block_sizes(core_read(applier.index.block_sizes), block_size)
+    sizes = block_sizes(applier.index.block_sizes(), block_size)
     return holds.route(cands, conf, token_ids, lora_name, extra_keys, sizes)
 
 

@@ -61,7 +61,6 @@ from .holds import (
     Holds,
     NoCandidate,
     block_sizes,
-    core_read,
     route,
     score_json_with_holds,
     trusted_workers,
@@ -341,7 +340,7 @@ def make_app(
         )
 
     def _sizes(block_size: int | None) -> list[int]:
-        return block_sizes(core_read(applier.index.block_sizes), block_size)
+        return block_sizes(applier.index.block_sizes(), block_size)
 
     async def route_handler(request: web.Request) -> web.Response:
         parsed = await parse(request, route_body(request))

@@ -22,3 +22,43 @@ def test_a_record_with_one_bad_event_is_dead_lettered_whole():
     assert len(a.index) == 2 and a.score(list(range(32))) == []
     a.apply_record("t", 0, 3, b"w/0", codec.encode(EventBatch(W, 2, 0, 0, (good,), reset=True)), 0)
     assert a.score(list(range(32)))[0].matched_tokens == 32
+
+
+def test_reads_from_another_thread_wait_for_an_apply_call_instead_of_raising():
+    """An apply call holds the core objects exclusively while it can still run Python code
+    (here a record whose ``value`` is a Python property; in production, whatever the
+    interpreter runs there), and the interpreter may switch to an HTTP thread then. That
+    thread's reads (block sizes, names, trust) must wait for the call, not raise."""
+    import threading
+    import time
+
+    a = Applier()
+    a.apply_record(
+        "t", 0, 0, b"w/0", codec.encode(EventBatch(W, 1, 0, 0, (stored([1], range(16), 16),), reset=True)), 0
+    )
+    got: dict[str, object] = {}
+    readers: list[threading.Thread] = []
+
+    def read() -> None:
+        try:
+            got["reads"] = (a.index.block_sizes(), a.ranks.untrusted_workers(), a.index.workers(), a.score(range(32)))
+        except Exception as e:  # the failure this test is about
+            got["error"] = e
+
+    class Rec:
+        offset, key, timestamp = 1, b"w/0", 0
+
+        @property
+        def value(self) -> bytes:
+            t = threading.Thread(target=read)
+            readers.append(t)
+            t.start()
+            time.sleep(0.05)  # the reader runs while the apply call holds the core
+            return codec.encode(EventBatch(W, 1, 1, 0, (stored([2], range(16, 32), 16, parent_block_hash=1),)))
+
+    assert a.apply_records("t", 0, [Rec()]) == 1
+    readers[0].join(10)
+    assert "error" not in got, got.get("error")
+    sizes, untrusted, workers, scores = got["reads"]
+    assert sizes == [16] and untrusted == set() and workers[("w", 0)].blocks == {"GPU": 2}
+    assert scores[0].matched_tokens == 32  # it read the index after the call: both blocks
