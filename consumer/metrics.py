@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 LAG_WINDOW = 4096
+# Seconds: an in-process answer takes ~25 µs, a scatter over peers up to their timeout.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class IngestMetrics:
@@ -51,14 +53,14 @@ class IngestMetrics:
             "kvwire_score_latency_seconds",
             "Time to answer POST /v1/score (local index and any peers)",
             ["scope"],
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.route_latency = Histogram(
             "kvwire_route_latency_seconds",
             "Time to answer POST /v1/route (local index and any peers)",
             ["scope"],
-            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self._lags: deque[int] = deque(maxlen=LAG_WINDOW)
