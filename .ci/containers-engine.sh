@@ -38,16 +38,18 @@ events_logger = "file"'
 
 engine_socket() {
   # The Docker API (v1.41) over podman: testcontainers, docker-py and podman-compose talk to it.
-  if ! curl -fsS --unix-socket "$PODMAN_SOCK" http://d/_ping >/dev/null 2>&1; then
-    mkdir -p "$(dirname "$PODMAN_SOCK")"
-    rm -f "$PODMAN_SOCK"
-    # --time=0: never exits on idle; setsid: survives this script, so a warm machine reuses it.
-    setsid nohup podman system service --time=0 "unix://$PODMAN_SOCK" >/var/log/kvwire-podman-service.log 2>&1 </dev/null &
-    for _ in $(seq 1 100); do
-      curl -fsS --unix-socket "$PODMAN_SOCK" http://d/_ping >/dev/null 2>&1 && break
-      sleep 0.1
-    done
-  fi
+  # A service left by an earlier run is replaced: after a run's worth of containers one was seen
+  # answering pings but failing every container start ("write child: broken pipe"), and a fresh
+  # one costs about a second.
+  pkill -f "podman system service .*unix://$PODMAN_SOCK" 2>/dev/null && sleep 1
+  mkdir -p "$(dirname "$PODMAN_SOCK")"
+  rm -f "$PODMAN_SOCK"
+  # --time=0: never exits on idle; setsid: outlives this script (compose runs after pytest).
+  setsid nohup podman system service --time=0 "unix://$PODMAN_SOCK" >/var/log/kvwire-podman-service.log 2>&1 </dev/null &
+  for _ in $(seq 1 100); do
+    curl -fsS --unix-socket "$PODMAN_SOCK" http://d/_ping >/dev/null 2>&1 && break
+    sleep 0.1
+  done
   curl -fsS --unix-socket "$PODMAN_SOCK" http://d/_ping >/dev/null
   export DOCKER_HOST="unix://$PODMAN_SOCK"
   # Ryuk would be pulled from a registry; the fixtures remove their own containers instead.
