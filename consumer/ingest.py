@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
+from kvwire.options import SUBSCRIBER_METADATA_MAX_AGE_MS
 from kvwire.registry.resolver import IdResolver
 
 from .apply import Applier, DeadLetter
@@ -138,7 +139,8 @@ class IndexMember:
             # within noise (aiokafka's per-record objects dominate), so these stay.
             max_partition_fetch_bytes=4 * 1024 * 1024,
             fetch_max_wait_ms=self.config.fetch_max_wait_ms,
-            **opts,
+            # A member may start before any producer created its topic.
+            **{"metadata_max_age_ms": SUBSCRIBER_METADATA_MAX_AGE_MS, **opts},
         )
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.config.bootstrap_servers, enable_idempotence=True, **opts

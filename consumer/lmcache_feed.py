@@ -24,13 +24,14 @@ import uuid
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
+from kvwire.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+
 from .apply import Applier, DeadLetter
 from .lmcache_topic import LmcacheTopicConverter, TopicRecordError
 
 log = logging.getLogger(__name__)
 
 PARTITION_BASE = -1_000_000
-METADATA_MAX_AGE_MS = 5000
 
 
 def applier_partition(partition: int) -> int:
@@ -126,8 +127,8 @@ class LmcacheTopicFeed:
             group_id=f"kvwire-lmcache-feed-{uuid.uuid4().hex[:12]}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
-            # A topic LMCache creates later is only seen at a metadata refresh (aiokafka: 5 min).
-            metadata_max_age_ms=opts.pop("metadata_max_age_ms", METADATA_MAX_AGE_MS),
+            # A topic LMCache creates later is only seen at a metadata refresh.
+            metadata_max_age_ms=opts.pop("metadata_max_age_ms", SUBSCRIBER_METADATA_MAX_AGE_MS),
             **opts,
         )
         await c.start()

@@ -33,6 +33,11 @@ CONFIG_ENV = "KVWIRE_KAFKA_CONFIG"
 # Substrings of option names whose values are secrets, in aiokafka's, Kafka's and our own naming.
 _SECRET_PARTS = ("password", "secret", "token", "jaas")
 
+# A consumer subscribed to a topic that does not exist yet finds it at its next metadata refresh,
+# by default 5 minutes away: kvwire's subscribers (index members, the LMCache feed) refresh every
+# 5 s unless metadata.max.age.ms says otherwise. One small request each time.
+SUBSCRIBER_METADATA_MAX_AGE_MS = 5000
+
 # Properties with a direct aiokafka keyword that every client (producer, consumer, admin) takes.
 _PASSTHROUGH = {
     "client.id": ("client_id", str),

@@ -183,3 +183,34 @@ async def test_malformed_records_are_dead_lettered_and_ingest_goes_on(kafka_boot
         where.add((int(h["kvwire-source-partition"]), int(h["kvwire-source-offset"])))
     # partition 0: good@0, bad@1..3, good@4; partition 1: bad@0..1
     assert where == {(0, 1), (0, 2), (0, 3), (1, 0), (1, 1)}
+
+
+async def test_a_member_started_before_its_topic_exists_picks_it_up(kafka_bootstrap):
+    """`kvwire index` may start before any producer created the topic: it must see the topic
+    once it exists (a metadata refresh away), not minutes later."""
+    import uuid
+
+    from kafka_admin import delete_topics
+
+    topic = f"t-late-{uuid.uuid4().hex[:8]}"
+    member = IndexMember(IngestConfig(kafka_bootstrap, topic))
+    await member.start()
+    try:
+        await asyncio.sleep(2)  # subscribed to a topic that is not there yet
+        assert not member.assigned
+        w = WorkerId("late", 0)
+
+        def publish() -> None:
+            with KafkaPublisher(PublisherConfig(kafka_bootstrap, topic, partitions=2)) as pub:
+                pub.stream(w).publish([stored([1, 2], range(32), 16)])
+
+        await asyncio.to_thread(publish)
+        await wait_ready(member, timeout=60)
+        for _ in range(600):
+            if member.applier.score(list(range(32))):
+                break
+            await asyncio.sleep(0.1)
+        assert [(s.instance_id, s.matched_tokens) for s in member.applier.score(list(range(32)))] == [("late", 32)]
+    finally:
+        await member.stop()
+        await delete_topics(kafka_bootstrap, [topic])
