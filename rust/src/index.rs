@@ -950,6 +950,17 @@ impl Index {
         best_wm: &mut [i64],
     ) -> bool {
         const NONE: u32 = u32::MAX;
+        let early = self.block_sizes.len() == 1;
+        let kept;
+        let ws = if early && queries.len() == 1 {
+            kept = self.holding_first_block(&queries[0], ws);
+            &kept[..]
+        } else {
+            ws
+        };
+        if ws.is_empty() {
+            return false;
+        }
         let mut slot = vec![NONE; self.wm_worker.len()];
         let mut wms: Vec<u32> = vec![];
         // Full-attention (worker, group) pairs: a slot's pair (NONE: not full attention) and,
@@ -981,7 +992,6 @@ impl Index {
                 }
             }
         }
-        let early = self.block_sizes.len() == 1;
         // Per query: (block size, blocks, words per slot, held bits of every slot).
         let mut per_q: Vec<(i64, usize, usize, Vec<u64>)> = Vec::with_capacity(queries.len());
         let mut cnt = vec![0u32; wms.len()];
@@ -1172,6 +1182,47 @@ impl Index {
             }
         }
         any
+    }
+
+    /// The workers of `ws` that may use some prefix of the query: every full-attention group
+    /// holds its first block (all TP ranks, any medium), or it has no full-attention group. The
+    /// others cannot be credited anything, and on a miss that is every worker: the grouped
+    /// walk then costs one lookup instead of a pass over the fleet.
+    fn holding_first_block(&self, q: &Query, ws: &[u32]) -> Vec<u32> {
+        let key = match q {
+            Query::Tokens { tokens, bs, ctx } if tokens.len() >= bs * 4 => {
+                block_key_le(&tokens[..bs * 4], ROOT, ctx.at(0))
+            }
+            Query::Keys { keys, .. } if !keys.is_empty() => keys[0],
+            _ => return vec![],
+        };
+        let nwm = self.wm_worker.len();
+        let mut held = vec![false; nwm];
+        if let Some(hs) = self.s.multi.get(&key) {
+            for (wi, &word) in hs.iter().enumerate() {
+                let mut b = word;
+                while b != 0 {
+                    held[wi * 64 + b.trailing_zeros() as usize] = true;
+                    b &= b - 1;
+                }
+            }
+        } else {
+            let mut cnt = vec![0u32; nwm];
+            self.s.holders(key, |rm| cnt[self.hd.rm_wm[rm as usize] as usize] += 1);
+            for wm in 0..nwm {
+                held[wm] = cnt[wm] > 0 && cnt[wm] >= self.hd.wm_tp[wm].max(1);
+            }
+        }
+        ws.iter()
+            .copied()
+            .filter(|&w| {
+                let wk = &self.workers[w as usize];
+                wk.groups
+                    .iter()
+                    .filter(|g| g.reach == Reach::Full)
+                    .all(|g| wk.wms.iter().any(|&wm| self.wm_group[wm as usize] == g.group && held[wm as usize]))
+            })
+            .collect()
     }
 
     /// The walk when every holder is on one medium (one wm per worker): the
