@@ -3,8 +3,8 @@
 //! The semantics are those of `kvwire/consumer/index.py`'s docstring (the
 //! Python wrapper) and `tests/oracle.py` (the executable spec); this module is
 //! the one implementation. Registry: workers (instance_id, dp_rank) and media
-//! are interned to small ids; `wm` = (worker, medium), `rm` = (worker, tp rank,
-//! medium). Tables: see `table.rs`.
+//! are interned to small ids; `wm` = (worker, medium, KV-cache group), `rm` =
+//! (worker, tp rank, medium, group). Tables: see `table.rs`.
 //!
 //! Writes are whole-or-nothing per call: every change an `apply` makes is
 //! logged, and a call that hits a reference-count ceiling rolls the log back

@@ -11,8 +11,8 @@
 //! calls, so the growth is staggered instead of one long pause.
 //!
 //! - **S** (one per index), the scoring table: (block key, rm) -> count, `rm`
-//!   being a (worker, tp rank, medium) triple; the count is how many of that
-//!   rank's engine-hash entries (groups, distinct engine hashes) map to the
+//!   being a (worker, tp rank, medium, KV-cache group); the count is how many
+//!   of that rank's engine-hash entries (distinct engine hashes) map to the
 //!   key. Slot: key u64 + meta u32 = `(rm + 1) << 10 | count`, 12 bytes. The
 //!   home slot depends on the key only, so every holder of a key sits in the
 //!   probe run that starts at its home: one contiguous scan lists a key's
