@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 from array import array
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 import aiohttp
@@ -306,17 +306,27 @@ def make_app(
 
         return decode
 
-    async def score(request: web.Request) -> web.Response:
-        parsed = await parse(request, score_body(request))
+    async def answer(
+        request: web.Request,
+        decode: Callable[[bytes], Any],
+        run: Callable[[Any, Any], Awaitable[web.Response]],
+        latency: Any,
+    ) -> web.Response:
+        """Parse, answer, and time the answer in ``latency`` by scope (a peer's ``local`` part,
+        or this member alone, is "local")."""
+        parsed = await parse(request, decode)
         if isinstance(parsed, web.Response):
             return parsed
         req, extra = parsed
         t0 = time.perf_counter()
         try:
-            return await _score(req, extra)
+            return await run(req, extra)
         finally:
-            scope = "local" if req.local or not peers else "scatter"
-            applier.metrics.score_latency.labels(scope).observe(time.perf_counter() - t0)
+            scope = "local" if getattr(req, "local", False) or not peers else "scatter"
+            latency.labels(scope).observe(time.perf_counter() - t0)
+
+    async def score(request: web.Request) -> web.Response:
+        return await answer(request, score_body(request), _score, applier.metrics.score_latency)
 
     async def _score(req: ScoreRequest, extra: list[Any] | None) -> web.Response:
         k = _top_k(req)
@@ -343,15 +353,7 @@ def make_app(
         return block_sizes(applier.index.block_sizes(), block_size)
 
     async def route_handler(request: web.Request) -> web.Response:
-        parsed = await parse(request, route_body(request))
-        if isinstance(parsed, web.Response):
-            return parsed
-        req, extra = parsed
-        t0 = time.perf_counter()
-        try:
-            return await _route(req, extra)
-        finally:
-            applier.metrics.route_latency.labels("scatter" if peers else "local").observe(time.perf_counter() - t0)
+        return await answer(request, route_body(request), _route, applier.metrics.route_latency)
 
     async def _route(req: RouteRequest, extra: list[Any] | None) -> web.Response:
         tokens = _packed(req.token_ids)

@@ -426,9 +426,6 @@ impl Index {
                         ));
                     };
                     blocks += n as u64;
-                    if !engine {
-                        self.learn_group(rank, *group, *bs, *kind, *window);
-                    }
                     self.store(
                         rank,
                         *medium,
@@ -440,6 +437,7 @@ impl Index {
                         *lora,
                         *blk_ctx,
                         shape == Shape::Sparse,
+                        (*kind, *window),
                     )
                 }
                 Ev::Remove { medium, group, ehs } => {
@@ -476,26 +474,27 @@ impl Index {
         lora: Option<&str>,
         blk_ctx: Option<&[u64]>,
         sparse: bool,
+        (kind, window): (Option<&str>, Option<i64>),
     ) -> Result<(), ApplyError> {
         let l = self.table(rank, medium, group)?;
         let mut flags = 0u16;
         let mut keys = std::mem::take(&mut self.scratch);
         keys.clear();
+        if bs > 0 {
+            self.learn_group(l.0, group, bs, kind, window);
+            if self.block_sizes.insert(bs) {
+                self.undo.push(Undo::BlockSize(bs));
+            }
+        }
         if bs == 0 {
             flags = ENGINE;
             keys.extend(ehs.iter().map(|&h| engine_key(h)));
         } else if sparse {
             // Which of the covered blocks these hashes are is not in the event: kept for
             // removals and counted as orphans, never matched by a query.
-            if self.block_sizes.insert(bs) {
-                self.undo.push(Undo::BlockSize(bs));
-            }
             flags = ORPHAN;
             keys.extend(ehs.iter().map(|&h| orphan_root(h)));
         } else {
-            if self.block_sizes.insert(bs) {
-                self.undo.push(Undo::BlockSize(bs));
-            }
             let mut pkey = ROOT;
             if let Some(peh) = parent {
                 let (k, orphan) = self.resolve_parent(l, peh);
@@ -545,9 +544,7 @@ impl Index {
 
     /// Record what a store says about its group: that it exists and, when the
     /// event carries it, its kind. Logged, so a refused record teaches nothing.
-    fn learn_group(&mut self, rank: &RankId, group: i64, bs: i64, kind: Option<&str>, window: Option<i64>) {
-        let tp = rank.tp_size.max(1) as u32;
-        let w = self.worker(rank.inst, rank.dp, tp);
+    fn learn_group(&mut self, w: u32, group: i64, bs: i64, kind: Option<&str>, window: Option<i64>) {
         let wk = &mut self.workers[w as usize];
         let reach = kind.map(|k| reach_of(k, window, bs));
         let pos = wk.groups.iter().position(|g| g.group == group);
