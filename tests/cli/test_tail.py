@@ -140,7 +140,11 @@ async def _produce(bootstrap: str, topic: str):
 @pytest.fixture(scope="module")
 def loaded(kafka_bootstrap):
     topic = f"t-tail-{uuid.uuid4().hex[:8]}"
-    run_sync(lambda: create_topics(kafka_bootstrap, [topic], 2))
+    # The records are stamped in 2023 and 2024 on purpose (--from TIME): under the broker's default
+    # 7-day time retention its next retention check deletes them, which emptied this topic part-way
+    # through the module whenever a check fell inside it (seen on fresh container brokers, whose
+    # first check runs 30 s after start). Keep them for good.
+    run_sync(lambda: create_topics(kafka_bootstrap, [topic], 2, {"retention.ms": "-1"}))
     good, bad = asyncio.run(_produce(kafka_bootstrap, topic))
     yield kafka_bootstrap, topic, good, bad
     try:
