@@ -192,6 +192,48 @@ pub enum Query<'a> {
     Keys { keys: &'a [u64], scale: i64 },
 }
 
+/// How many blocks ahead of the walk a query's keys are computed and their
+/// table slots prefetched: enough to cover a memory miss at the walk's
+/// per-block pace, few enough that a miss query hashes only a handful extra.
+const AHEAD: usize = 8;
+const RING: usize = 16;
+
+/// A query's block keys in walk order, each computed `AHEAD` blocks before the
+/// walk reads it, with its S slots prefetched then.
+struct Keys<'a, 'q> {
+    q: &'a Query<'q>,
+    n: usize,
+    ring: [u64; RING],
+    done: usize,
+    last: u64,
+}
+
+impl<'a, 'q> Keys<'a, 'q> {
+    fn new(q: &'a Query<'q>, n: usize) -> Self {
+        Keys { q, n, ring: [0; RING], done: 0, last: ROOT }
+    }
+
+    /// Key of block `i`; blocks are asked for in order, 0, 1, 2, ...
+    #[inline]
+    fn at(&mut self, i: usize, s: &STable) -> u64 {
+        let until = self.n.min(i + AHEAD + 1);
+        while self.done < until {
+            let b = self.done;
+            let key = match self.q {
+                Query::Tokens { tokens, bs, ctx } => {
+                    block_key_le(&tokens[b * bs * 4..(b + 1) * bs * 4], self.last, ctx.at(b))
+                }
+                Query::Keys { keys, .. } => keys[b],
+            };
+            self.last = key;
+            self.ring[b % RING] = key;
+            s.prefetch(key);
+            self.done += 1;
+        }
+        self.ring[i % RING]
+    }
+}
+
 /// Scores as arrays, best first: worker ids, matched tokens, weighted score,
 /// and per result a slice `by_off[i]..by_off[i+1]` of (medium id, tokens).
 #[derive(Default, Debug)]
@@ -772,18 +814,13 @@ impl Index {
             if n == 0 {
                 continue;
             }
-            let mut key = ROOT;
             let mut reached = 0usize;
             if self.media.len() == 1 {
                 reached = self.walk_one_medium(q, n, &ok, weights, &mut run_w, &mut score_w, &mut run_wm, &mut cnt);
             }
+            let mut ks = Keys::new(q, n);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
-                key = match q {
-                    Query::Tokens { tokens, bs, ctx } => {
-                        block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
-                    }
-                    Query::Keys { keys, .. } => keys[i],
-                };
+                let key = ks.at(i, &self.s);
                 touched.clear();
                 wtouched.clear();
                 let iu = i as u32;
@@ -1251,15 +1288,10 @@ impl Index {
         let mut held = vec![0u64; words];
         let mut touched: Vec<u32> = Vec::with_capacity(16);
         let rm_wm = &self.hd.rm_wm;
-        let mut key = ROOT;
         let mut reached = 0usize;
+        let mut ks = Keys::new(q, n);
         for i in 0..n {
-            key = match q {
-                Query::Tokens { tokens, bs, ctx } => {
-                    block_key_le(&tokens[i * bs * 4..(i + 1) * bs * 4], key, ctx.at(i))
-                }
-                Query::Keys { keys, .. } => keys[i],
-            };
+            let key = ks.at(i, &self.s);
             held.iter_mut().for_each(|x| *x = 0);
             if let Some(bits) = self.s.multi.get(&key) {
                 for (h, &b) in held.iter_mut().zip(bits) {
