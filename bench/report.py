@@ -53,6 +53,11 @@ def load(results: Path = RESULTS) -> Results:
     return out
 
 
+def _run_label(mode: str) -> str:
+    """'full run', 'quick run'; a partial re-run says which steps are new."""
+    return f"{mode} run" if mode in ("full", "quick", "smoke", "unknown") else mode
+
+
 def fmt(v: Any, unit: str = "", digits: int = 3) -> str:
     if v is None:
         return "n/a"
@@ -149,7 +154,7 @@ def results_table(res: Results) -> str:
     ]
     run = _get(s, "notes", "run") or {}
     head = (
-        f"`kvwire bench` ({run.get('mode', 'unknown')} run, {fmt(run.get('seconds'), ' s')}, load average at the end "
+        f"`kvwire bench` ({_run_label(run.get('mode', 'unknown'))}, {fmt(run.get('seconds'), ' s')}, load average at the end "
         f"{', '.join(fmt(x) for x in run.get('load_avg_at_end', [])) or 'n/a'}):\n\n"
     )
     out = ["| | kvwire (ours, measured here) | others (theirs, published) |", "|---|---|---|"]

@@ -298,8 +298,11 @@ def main(argv=None) -> int:
 
         bootstrap = resolve_bootstrap()
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"
+    label = mode  # what the summary says of this run
     if a.only == []:  # nothing re-run: say so, the figures are each step's own last run
-        mode = "summary of each step's last run on disk (see each JSON's _machine.when)"
+        label = "summary of each step's last run on disk (see each JSON's _machine.when)"
+    elif a.only:  # some steps re-run: the others' figures are older
+        label = f"{mode} sizes, re-run: {', '.join(a.only)}; the other steps' last run on disk"
     env = dict(os.environ, KVWIRE_BENCH_RESULTS=str(RESULTS), PYTHONUNBUFFERED="1")
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
@@ -334,7 +337,7 @@ def main(argv=None) -> int:
         print(f"   {name}: {timings[name]} s{'  FAILED: ' + errors[name] if name in errors else ''}", flush=True)
     summary = summarize(res, errors)
     summary["notes"]["run"] = {
-        "mode": mode,
+        "mode": label,
         "seconds": round(time.monotonic() - t_all, 1),
         "step_seconds": timings,
         "load_avg_at_end": list(os.getloadavg()),
