@@ -200,7 +200,7 @@ const RING: usize = 16;
 
 /// A query's block keys in walk order, each computed `AHEAD` blocks before the
 /// walk reads it, with its S slots prefetched then.
-struct Keys<'a, 'q> {
+struct KeysAhead<'a, 'q> {
     q: &'a Query<'q>,
     n: usize,
     ring: [u64; RING],
@@ -208,9 +208,9 @@ struct Keys<'a, 'q> {
     last: u64,
 }
 
-impl<'a, 'q> Keys<'a, 'q> {
+impl<'a, 'q> KeysAhead<'a, 'q> {
     fn new(q: &'a Query<'q>, n: usize) -> Self {
-        Keys { q, n, ring: [0; RING], done: 0, last: ROOT }
+        KeysAhead { q, n, ring: [0; RING], done: 0, last: ROOT }
     }
 
     /// Key of block `i`; blocks are asked for in order, 0, 1, 2, ...
@@ -818,7 +818,7 @@ impl Index {
             if self.media.len() == 1 {
                 reached = self.walk_one_medium(q, n, &ok, weights, &mut run_w, &mut score_w, &mut run_wm, &mut cnt);
             }
-            let mut ks = Keys::new(q, n);
+            let mut ks = KeysAhead::new(q, n);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
                 let key = ks.at(i, &self.s);
                 touched.clear();
@@ -1289,7 +1289,7 @@ impl Index {
         let mut touched: Vec<u32> = Vec::with_capacity(16);
         let rm_wm = &self.hd.rm_wm;
         let mut reached = 0usize;
-        let mut ks = Keys::new(q, n);
+        let mut ks = KeysAhead::new(q, n);
         for i in 0..n {
             let key = ks.at(i, &self.s);
             held.iter_mut().for_each(|x| *x = 0);
