@@ -166,3 +166,27 @@ async def test_killed_broker_restarts_with_its_log(tmp_path):
     finally:
         kafka.stop()
     assert kafka.pid() is None
+
+
+async def test_cluster_id_with_leading_dash_formats_and_serves(tmp_path):
+    """About 1 random Kafka id in 64 starts with "-", which StorageTool's `-t ID` read as an option
+    (the broker then never started). Our ids never start with one, and one given by a caller works."""
+    _need_toolchain()
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from kvwire.broker import LocalKafka
+    from kvwire.broker.local import new_cluster_id
+
+    assert not any(new_cluster_id().startswith("-") for _ in range(2000))
+    cid = "-kvwire-dash-cluster-B"
+    kafka = LocalKafka(tmp_path / "kafka", free_port_pair(), cluster_id=cid)
+    try:
+        bootstrap = await asyncio.to_thread(kafka.start)
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            assert (await admin.describe_cluster())["cluster_id"] == cid
+        finally:
+            await admin.close()
+    finally:
+        kafka.stop()

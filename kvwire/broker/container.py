@@ -98,9 +98,13 @@ class DockerKafka:
     `stop_broker()` / `kill_broker()` then `start_broker()` restart the same container: its log
     and cluster id stay, and the published port and advertised address do not change."""
 
-    def __init__(self, image: str | None = None, start_timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, image: str | None = None, start_timeout_s: float = 120.0, cluster_id: str | None = None
+    ) -> None:
+        """cluster_id: format the log with this id (CLUSTER_ID) instead of a fresh random one."""
         self.image = image or default_image()
         self.start_timeout_s = start_timeout_s
+        self.cluster_id = cluster_id
         self.container: Any = None
         self.bootstrap: str | None = None
 
@@ -120,6 +124,8 @@ class DockerKafka:
         ports[f"{HOST_LISTENER_PORT}/tcp"] = (host, host_port)
         for k, v in kafka_env(host, host_port).items():
             c = c.with_env(k, v)
+        if self.cluster_id is not None:
+            c = c.with_env("CLUSTER_ID", self.cluster_id)
         self.container = c.start()
         self.bootstrap = f"{host}:{host_port}"
         self._wait_ready()

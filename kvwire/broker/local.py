@@ -41,7 +41,13 @@ def default_port() -> int:
 
 
 def new_cluster_id() -> str:
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode()[:22]
+    """Kafka's Uuid form. About 1 draw in 64 starts with "-", which Kafka's own random-uuid never
+    returns: StorageTool would read it as an option. Draw again then, as Kafka does (the format
+    call passes --cluster-id=ID too, so an id given by a caller is never misread)."""
+    while True:
+        cid = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode()[:22]
+        if not cid.startswith("-"):
+            return cid
 
 
 @dataclass(frozen=True)
@@ -248,8 +254,7 @@ class LocalKafka:
         cmd = self._java(
             "kafka.tools.StorageTool",
             "format",
-            "-t",
-            self.cluster_id or new_cluster_id(),
+            f"--cluster-id={self.cluster_id or new_cluster_id()}",
             "-c",
             str(self.config_path),
             *self.format_args,

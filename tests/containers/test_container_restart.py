@@ -10,9 +10,21 @@ import os
 import pytest
 import tc_broker
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 from ci_env import unavailable
 
 pytestmark = pytest.mark.integration
+
+LEADING_DASH_ID = "-kvwire-dash-cluster-A"  # 22 characters of urlsafe base64, Kafka's Uuid form
+
+
+async def _cluster_id(bootstrap: str) -> str:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        return (await admin.describe_cluster())["cluster_id"]
+    finally:
+        await admin.close()
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +34,9 @@ def private_container():
     from kvwire.broker.container import DockerKafka
 
     tc_broker.need_engine()
-    kafka = DockerKafka()
+    # An id that starts with "-", as about 1 random id in 64 does: the image's format step once
+    # read it as an option and the broker never started. It must also survive both restarts.
+    kafka = DockerKafka(cluster_id=LEADING_DASH_ID)
     try:
         kafka.start()
     except Exception as e:
@@ -88,3 +102,5 @@ async def test_restarted_container_keeps_log_and_offsets(private_container, how)
     assert await _consume(bootstrap, topic, group, 10) == list(zip(range(20, 30), second, strict=True))
     # A reader from the beginning sees the whole log, in order, nothing lost or duplicated.
     assert await _consume(bootstrap, topic, None, 30) == list(zip(range(30), first + second, strict=True))
+    # The restart kept the formatted log's cluster id, the one that begins with "-".
+    assert await _cluster_id(bootstrap) == LEADING_DASH_ID

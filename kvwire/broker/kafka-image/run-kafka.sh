@@ -9,6 +9,17 @@ cp="/opt/kafka/libs/*"
 jsa=/opt/kafka/kafka.jsa
 jvm="-XX:+UseG1GC -XX:ParallelGCThreads=2 -XX:ConcGCThreads=1"
 
+# 22 characters of urlsafe base64 of 16 random bytes, the form Kafka's Uuid takes. About 1 id in 64
+# starts with "-"; Kafka's own random-uuid draws again then, because a command line reads such an id
+# as an option ("--cluster-id/-t: expected one argument"). We draw again too, and pass the id as
+# --cluster-id=ID as well, so an id handed in through CLUSTER_ID cannot be misread either.
+new_cluster_id() {
+  while :; do
+    id=$(head -c 16 /dev/urandom | base64 | tr "+/" "-_" | cut -c 1-22)
+    case $id in -*) ;; *) printf '%s' "$id"; return ;; esac
+  done
+}
+
 if [ "${1:-}" = "--dump-cds" ]; then
   # Build time: start a throwaway broker once and dump the classes it loaded at exit (class-data
   # sharing), so every container's broker starts about twice as fast. Random loopback ports: a
@@ -25,7 +36,7 @@ controller.listener.names=CONTROLLER
 offsets.topic.replication.factor=1
 log.dirs=$d/data
 PROPS
-  java -Xmx256m -cp "$cp" kafka.tools.StorageTool format -t "$(head -c 16 /dev/urandom | base64 | tr "+/" "-_" | cut -c 1-22)" -c "$d/server.properties" >/dev/null
+  java -Xmx256m -cp "$cp" kafka.tools.StorageTool format --cluster-id="$(new_cluster_id)" -c "$d/server.properties" >/dev/null
   # shellcheck disable=SC2086
   java -Xmx512m $jvm -XX:ArchiveClassesAtExit="$jsa" -cp "$cp" kafka.Kafka "$d/server.properties" >"$d/log" 2>&1 &
   pid=$!
@@ -83,8 +94,8 @@ logdir=$(sed -n 's/^log\.dirs=//p' "$conf" | cut -d, -f1)
 mkdir -p "$logdir"
 if [ ! -f "$logdir/meta.properties" ]; then
   # A restarted container keeps its data and cluster id: format only an empty log dir.
-  cluster_id=${CLUSTER_ID:-$(head -c 16 /dev/urandom | base64 | tr "+/" "-_" | cut -c 1-22)}
-  java -Xmx256m -XX:TieredStopAtLevel=1 -cp "$cp" kafka.tools.StorageTool format -t "$cluster_id" -c "$conf"
+  cluster_id=${CLUSTER_ID:-$(new_cluster_id)}
+  java -Xmx256m -XX:TieredStopAtLevel=1 -cp "$cp" kafka.tools.StorageTool format --cluster-id="$cluster_id" -c "$conf"
 fi
 # Sized like LocalKafka: a small CI machine shares its cores with the tests.
 cds=""
