@@ -4,7 +4,11 @@
 # API served on a socket so testcontainers and docker-py find it through DOCKER_HOST.
 
 PODMAN_SOCK=/run/podman/podman.sock
-ENGINE_PACKAGES=(podman runc fuse-overlayfs slirp4netns passt uidmap buildah debootstrap curl)
+# Compose services find each other by name (index -> kafka:9092). Debian bookworm's podman 4.3
+# networks through CNI, whose plugins package resolves no names: the dnsname plugin does. Without
+# it a fresh machine's compose stage waited 180 s for kafka:9092 and gave up.
+ENGINE_PACKAGES=(podman containernetworking-plugins golang-github-containernetworking-plugin-dnsname
+  runc fuse-overlayfs slirp4netns passt uidmap buildah debootstrap curl)
 
 engine_install() {
   local missing=()
@@ -27,7 +31,9 @@ default_ulimits = ["nofile=16384:16384", "nproc=16384:16384"]
 [engine]
 runtime = "runc"
 cgroup_manager = "cgroupfs"
-events_logger = "file"'
+events_logger = "file"
+[network]
+network_backend = "cni"'
   if [[ ! -f $conf ]] || ! cmp -s <(printf '%s\n' "$want") "$conf"; then
     if [[ -f $conf ]] && ! grep -q "written by kvwire" "$conf"; then
       cp "$conf" "$conf.before-kvwire"
@@ -71,4 +77,26 @@ engine_setup() {
   engine_socket
   export KVWIRE_ENGINE=podman
   echo "::: container engine: $(podman --version), API on $DOCKER_HOST" >&2
+}
+
+engine_dns_check() {
+  # Proves what compose relies on before compose needs it: a container finds another one on the
+  # same user network by its network alias (as index finds kafka). Fails at once with the reason.
+  local image=$1 engine=${KVWIRE_ENGINE:-podman} net="kvwire-dnscheck-$$" out rc
+  "$engine" network rm -f "$net" >/dev/null 2>&1 || true
+  "$engine" network create "$net" >/dev/null
+  "$engine" run -d --rm --name "$net-peer" --network "$net" --network-alias peer "$image" sleep 60 >/dev/null
+  # `&& rc=0 || rc=$?`: under the caller's set -e a bare failing assignment would exit unexplained.
+  out=$("$engine" run --rm --network "$net" "$image" sh -c 'for i in 1 2 3 4 5 6 7 8 9 10; do getent hosts peer && exit 0; sleep 0.5; done; exit 1' 2>&1) && rc=0 || rc=$?
+  "$engine" rm -f "$net-peer" >/dev/null 2>&1 || true
+  "$engine" network rm -f "$net" >/dev/null 2>&1 || true
+  if ((rc != 0)); then
+    echo "::: container name resolution FAILED: a container on network $net cannot resolve its peer by alias" >&2
+    echo "::: (compose's index would wait for kafka:9092 and give up). Engine networking:" >&2
+    "$engine" info --format '{{.Host.NetworkBackend}}' >&2 2>/dev/null || true
+    ls /usr/lib/cni >&2 2>/dev/null || true
+    echo "$out" | tail -n 5 >&2
+    return 1
+  fi
+  echo "::: container name resolution: ok (peer -> $(echo "$out" | awk 'NR==1 {print $1}'))" >&2
 }

@@ -68,6 +68,7 @@ if ! "${KVWIRE_ENGINE:-podman}" build --network host --build-arg "BASE=$KVWIRE_B
 fi
 rm -f "$app_log"
 echo "::: broker image $KVWIRE_KAFKA_IMAGE, app image $KVWIRE_IMAGE" >&2
+engine_dns_check "$KVWIRE_BASE_IMAGE"
 # Superseded builds pile up on a warm machine; recent ones stay as the layer cache.
 "${KVWIRE_ENGINE:-podman}" image prune -f --filter until=48h >/dev/null 2>&1 || true
 
