@@ -191,6 +191,7 @@ def rust_decode(enc: list[bytes], blocks_per_record: float, min_s: float) -> dic
     many = _cpu_rate(_core.decode_many, enc, min_s, per_item=False)
     objects = _cpu_rate(_core.decode_record, enc, min_s)
     return {
+        "_rates": (many, objects, ref),
         "decode_records_per_s": round(many),
         "decode_blocks_per_s": round(many * blocks_per_record),
         "decode_to_objects_records_per_s": round(objects),
@@ -250,6 +251,20 @@ def run(quick: bool = False) -> dict:
         _rate(json.loads, js, min_s),
         sum(map(len, js)),
     )
+    # The decoders compared per CPU-second of this process, like the Rust figures: on a shared
+    # machine a wall-clock rate measures the neighbours too.
+    many, objects, ref = rust.pop("_rates")
+    msgpack_cpu = _cpu_rate(mdec.decode, m, min_s)
+    json_cpu = _cpu_rate(json.loads, js, min_s)
+    vs = {
+        "msgpack_decode_records_per_s": round(msgpack_cpu),
+        "json_decode_records_per_s": round(json_cpu),
+        "rust_decode_speedup_vs_msgpack": round(many / msgpack_cpu, 3),
+        "rust_decode_to_objects_speedup_vs_msgpack": round(objects / msgpack_cpu, 3),
+        "fastavro_decode_speedup_vs_msgpack": round(ref / msgpack_cpu, 3),
+        "rust_decode_speedup_vs_json": round(many / json_cpu, 3),
+        "fastavro_decode_speedup_vs_json": round(ref / json_cpu, 3),
+    }
 
     per_batch_blocks = blocks / len(batches)
     table = {
@@ -265,17 +280,16 @@ def run(quick: bool = False) -> dict:
     summary = {
         "blocks_per_record": per_batch_blocks,
         "codecs": table,
-        "codec_decode_speedup_vs_msgpack": round(
-            ours["decode_records_per_s"] / table["vllm_msgpack"]["decode_records_per_s"], 3
-        ),
         "codec_bytes_ratio_vs_msgpack": round(ours["bytes_per_block"] / table["vllm_msgpack"]["bytes_per_block"], 3),
-        "codec_decode_speedup_vs_json": round(
-            ours["decode_records_per_s"] / table["lmcache_json"]["decode_records_per_s"], 3
-        ),
+        **vs,
         "packed_vs_array_decode_speedup": round(
             ours["decode_records_per_s"] / table["avro_array_long"]["decode_records_per_s"], 3
         ),
-        "note": "kvwire decode includes building the typed model; the others return dicts/structs only",
+        "note": "codecs: wall-clock rates, kvwire_avro_packed decoded by fastavro (codec.decode, the "
+        "reference decoder of tail and dead-letter reasons) to typed events, the others to plain "
+        "structs/dicts. *_speedup_vs_*: per CPU-second; rust_decode = value bytes -> Rust records "
+        "(the consumer's path), rust_decode_to_objects = to EventBatch objects, msgpack = msgspec "
+        "to vLLM-shaped structs",
         "rust_decode": rust,
         "rust_decode_speedup_vs_fastavro": rust["speedup_vs_fastavro"],
         "rust_decode_to_objects_speedup_vs_fastavro": rust["to_objects_speedup_vs_fastavro"],
@@ -304,9 +318,12 @@ def main() -> None:
     for k in (
         "rust_decode_speedup_vs_fastavro",
         "rust_decode_to_objects_speedup_vs_fastavro",
-        "codec_decode_speedup_vs_msgpack",
+        "rust_decode_speedup_vs_msgpack",
+        "rust_decode_to_objects_speedup_vs_msgpack",
+        "fastavro_decode_speedup_vs_msgpack",
         "codec_bytes_ratio_vs_msgpack",
-        "codec_decode_speedup_vs_json",
+        "rust_decode_speedup_vs_json",
+        "fastavro_decode_speedup_vs_json",
         "packed_vs_array_decode_speedup",
     ):
         print(f"{k}: {out[k]}")
