@@ -98,9 +98,7 @@ class DockerKafka:
     `stop_broker()` / `kill_broker()` then `start_broker()` restart the same container: its log
     and cluster id stay, and the published port and advertised address do not change."""
 
-    def __init__(
-        self, image: str | None = None, start_timeout_s: float = 120.0, cluster_id: str | None = None
-    ) -> None:
+    def __init__(self, image: str | None = None, start_timeout_s: float = 120.0, cluster_id: str | None = None) -> None:
         """cluster_id: format the log with this id (CLUSTER_ID) instead of a fresh random one."""
         self.image = image or default_image()
         self.start_timeout_s = start_timeout_s
