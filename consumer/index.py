@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -106,8 +106,13 @@ class WorkerScore(msgspec.Struct, frozen=True, omit_defaults=True):
     matched_tokens: int
     by_medium: dict[str, int]
     score: float
-    # The worker's source cannot observe removals: the credit may name blocks it no longer holds.
-    approximate: bool = False
+    approximate: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Present (true) when the worker's source cannot observe removals: the credit may "
+            "name blocks it no longer holds."
+        ),
+    ] = False
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
