@@ -11,7 +11,7 @@ listed, so adding a field to an answer is not a breaking change; requests' do no
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -44,7 +44,7 @@ class Operation:
     request: tuple[Body, ...] = ()
     # Fields of the JSON request's struct that the query string may carry too (the binary form's).
     query: tuple[str, ...] = ()
-    query_description: str | None = field(default=None)
+    query_description: str | None = None
 
 
 def _bodies(op: Operation) -> Iterator[Body]:
