@@ -25,6 +25,7 @@ BINARY = "application/octet-stream"
 TokenId = Annotated[int, Meta(ge=0, lt=2**32)]
 BlockSize = Annotated[int, Meta(ge=1, le=1 << 20)]
 TopK = Annotated[int, Meta(ge=1, le=MAX_RESULTS)]
+Count = Annotated[int, Meta(ge=0)]
 # What JSON can carry of a key value (arrays stand for vLLM's tuples); the counts are checked by
 # ``tenants.check_extra_keys``. No maxItems: a generator breaking one writes bodies over the size
 # limit, which get 413 before the fields are read.
@@ -101,21 +102,21 @@ class WorkerRef(msgspec.Struct):
 
 
 class HoldAnswer(msgspec.Struct):
-    expires_in_ms: Annotated[int, Meta(ge=0)]
+    expires_in_ms: Count
 
 
 class RouteScore(msgspec.Struct):
     instance_id: str
     dp_rank: int
-    matched_tokens: Annotated[int, Meta(description="Confirmed by the index")]
-    speculative_tokens: Annotated[int, Meta(description="Credit of live holds")]
+    matched_tokens: Annotated[Count, Meta(description="Confirmed by the index")]
+    speculative_tokens: Annotated[Count, Meta(description="Credit of live holds")]
     score: float
 
 
 class RouteAnswer(msgspec.Struct):
     worker: WorkerRef
-    matched_tokens: Annotated[int, Meta(description="The worker's confirmed prefix")]
-    speculative_tokens: Annotated[int, Meta(description="The worker's credit from holds recorded before this route")]
+    matched_tokens: Annotated[Count, Meta(description="The worker's confirmed prefix")]
+    speculative_tokens: Annotated[Count, Meta(description="The worker's credit from holds recorded before this route")]
     hold: Annotated[
         HoldAnswer | None,
         Meta(
@@ -143,9 +144,9 @@ class WorkerInfo(msgspec.Struct):
     instance_id: str
     dp_rank: int
     tp_size: int
-    blocks: int
-    blocks_by_medium: dict[str, int]
-    orphans: int
+    blocks: Count
+    blocks_by_medium: dict[str, Count]
+    orphans: Count
     trusted: bool
     approximate: Annotated[
         bool, Meta(description="A rank's latest record came from a source that cannot observe removals.")
@@ -159,7 +160,7 @@ class WorkersAnswer(msgspec.Struct):
 
 class DigestAnswer(msgspec.Struct):
     digest: str
-    holder_blocks: int
+    holder_blocks: Count
 
 
 class HealthAnswer(msgspec.Struct):

@@ -63,11 +63,12 @@ class HeldScore(WorkerScore, frozen=True, omit_defaults=True):
     speculative_tokens: Annotated[
         int,
         msgspec.Meta(
+            ge=0,
             description="Present on every entry while a speculative hold (POST /v1/route) is live: the leading "
             "tokens a hold on this worker shares with the prompt, never counted in matched_tokens. A worker "
             "with only a hold appears with matched_tokens 0. Entries are then ordered by max(matched_tokens, "
             "speculative_tokens), then score, then matched_tokens, then (instance_id, dp_rank); with no live "
-            "hold the field is absent and the order is the usual one."
+            "hold the field is absent and the order is the usual one.",
         ),
     ] = 0
 

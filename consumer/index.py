@@ -103,8 +103,8 @@ class IndexOverflow(RuntimeError):
 class WorkerScore(msgspec.Struct, frozen=True, omit_defaults=True):
     instance_id: str
     dp_rank: int
-    matched_tokens: int
-    by_medium: dict[str, int]
+    matched_tokens: Annotated[int, msgspec.Meta(ge=0)]
+    by_medium: dict[str, Annotated[int, msgspec.Meta(ge=0)]]
     score: float
     approximate: Annotated[
         bool,
