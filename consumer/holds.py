@@ -40,7 +40,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -60,7 +60,17 @@ Worker = tuple[str, int]
 class HeldScore(WorkerScore, frozen=True, omit_defaults=True):
     """A worker's score with the speculative credit of its holds (0 and omitted when none)."""
 
-    speculative_tokens: int = 0
+    speculative_tokens: Annotated[
+        int,
+        msgspec.Meta(
+            ge=0,
+            description="Present on every entry while a speculative hold (POST /v1/route) is live: the leading "
+            "tokens a hold on this worker shares with the prompt, never counted in matched_tokens. A worker "
+            "with only a hold appears with matched_tokens 0. Entries are then ordered by max(matched_tokens, "
+            "speculative_tokens), then score, then matched_tokens, then (instance_id, dp_rank); with no live "
+            "hold the field is absent and the order is the usual one.",
+        ),
+    ] = 0
 
 
 @dataclass(eq=False)
@@ -103,24 +113,6 @@ class Route:
     speculative_tokens: int  # the chosen worker's credit from earlier holds
     hold_expires_in_ms: int | None  # None: no hold recorded (holds disabled, or no full block)
     rows: list[RouteRow] = field(default_factory=list)  # every candidate, in pick order
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "worker": {"instance_id": self.worker[0], "dp_rank": self.worker[1]},
-            "matched_tokens": self.matched_tokens,
-            "speculative_tokens": self.speculative_tokens,
-            "hold": None if self.hold_expires_in_ms is None else {"expires_in_ms": self.hold_expires_in_ms},
-            "scores": [
-                {
-                    "instance_id": r.worker[0],
-                    "dp_rank": r.worker[1],
-                    "matched_tokens": r.matched_tokens,
-                    "speculative_tokens": r.speculative_tokens,
-                    "score": r.score,
-                }
-                for r in self.rows
-            ],
-        }
 
 
 class NoCandidate(LookupError):

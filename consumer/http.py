@@ -12,6 +12,10 @@
 ``GET  /metrics``    Prometheus
 ``GET  /openapi.json`` the OpenAPI document of all of the above (``kvwire.consumer.openapi``)
 
+The routes and the structs requests are decoded with and answers encoded from are declared once,
+in ``kvwire.consumer.api``: the app registers its handlers from that table, and the document is
+rendered from it.
+
 With ``peers`` (members of the same group, each holding other partitions) a
 score is scattered to every peer with ``"local": true`` and the answers are
 merged; a peer that fails marks the answer ``partial`` instead of failing it.
@@ -49,59 +53,52 @@ import threading
 import time
 from array import array
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 import aiohttp
 import msgspec
 import numpy as np
 from aiohttp import web
 
+from .api import (
+    BINARY,
+    MAX_ERROR_CHARS,
+    MAX_RESULTS,
+    ROUTES,
+    SCORE_QUERY,
+    TRUNCATED,
+    DigestAnswer,
+    ErrorAnswer,
+    ExtraKeys,
+    HealthAnswer,
+    HoldAnswer,
+    Prompt,
+    RouteAnswer,
+    RouteRequest,
+    RouteScore,
+    ScoreRequest,
+    WorkerInfo,
+    WorkerRef,
+    WorkersAnswer,
+)
 from .apply import Applier
 from .holds import (
     Holds,
     NoCandidate,
+    Route,
     block_sizes,
     route,
     score_json_with_holds,
     trusted_workers,
     with_speculation,
 )
+from .openapi import document
 from .tenants import TenantError, check_extra_keys, tenant_extra_keys
 
 log = logging.getLogger(__name__)
 
-TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
 DEFAULT_MAX_TOKENS = 256 * 1024
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
-MAX_RESULTS = 1024
-# One entry per block: an array of key values (checked further by ``tenants.check_extra_keys``) or null.
-ExtraKeys = list[list[Any] | None]
-
-
-class ScoreRequest(msgspec.Struct, forbid_unknown_fields=True):
-    token_ids: list[TokenId]
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    extra_keys: ExtraKeys | None = None
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
-    local: bool = False
-    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESULTS)] = 64
-    # The binary form's name for ``limit``; given both, ``top_k`` wins.
-    top_k: Annotated[int, msgspec.Meta(ge=1, le=MAX_RESULTS)] | None = None
-
-
-class Candidate(msgspec.Struct, forbid_unknown_fields=True):
-    instance_id: str
-    dp_rank: Annotated[int, msgspec.Meta(ge=0)] = 0
-
-
-class RouteRequest(msgspec.Struct, forbid_unknown_fields=True):
-    token_ids: list[TokenId]
-    lora_name: str | None = None
-    cache_salt: str | None = None
-    extra_keys: ExtraKeys | None = None
-    candidates: Annotated[list[Candidate], msgspec.Meta(min_length=1, max_length=MAX_RESULTS)] | None = None
-    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = None
 
 
 class BadRequest(ValueError):
@@ -112,54 +109,30 @@ class BadRequest(ValueError):
         self.status = status
 
 
-BINARY = "application/octet-stream"
-_QUERY_PARAMS = frozenset({"lora_name", "cache_salt", "extra_keys", "block_size", "top_k", "limit", "local"})
-_BOOL = {"true": True, "1": True, "false": False, "0": False}
 _LE = sys.byteorder == "little"
 _ARRAY_I = _LE and array("I").itemsize == 4
-
-
-def _int_param(q: Any, name: str, lo: int, hi: int) -> int | None:
-    v = q.get(name)
-    if v is None:
-        return None
-    try:
-        n = int(v)
-    except ValueError:
-        raise BadRequest(400, f"invalid request: {name} must be an integer, got {v[:40]!r}") from None
-    if not lo <= n <= hi:
-        raise BadRequest(400, f"invalid request: {name} must be in [{lo}, {hi}], got {n}")
-    return n
 
 
 def query_request(query: Any) -> ScoreRequest:
     """The fields of the binary form, from the query string (no tokens yet). Checked
     whatever the body (unknown parameters are refused, as unknown JSON fields are); a JSON
     body carries its own fields and the query's are then not used."""
-    unknown = sorted(set(query.keys()) - _QUERY_PARAMS)
+    unknown = sorted(set(query.keys()) - set(SCORE_QUERY))
     if unknown:
         raise BadRequest(400, f"invalid request: unknown query parameter(s) {', '.join(unknown)[:200]}")
-    local = query.get("local")
-    if local is not None and local.lower() not in _BOOL:
-        raise BadRequest(400, f"invalid request: local must be true or false, got {local[:40]!r}")
-    top_k = _int_param(query, "top_k", 1, MAX_RESULTS)
-    limit = _int_param(query, "limit", 1, MAX_RESULTS)
+    # The struct's own types and bounds read the text: strict=False takes "12" for 12 and "true" for true.
+    fields = {name: query[name] for name in SCORE_QUERY if name in query and name != "extra_keys"}
+    try:
+        req = msgspec.convert({"token_ids": [], **fields}, ScoreRequest, strict=False)
+    except msgspec.ValidationError as e:
+        raise BadRequest(400, f"invalid request: query parameter: {e}") from None
     extra = query.get("extra_keys")
-    if extra is not None:
-        try:
-            extra = _extra_decoder.decode(extra)
-        except msgspec.DecodeError as e:  # ValidationError is one
-            raise BadRequest(400, f"invalid request: extra_keys must be a JSON array of arrays or nulls: {e}") from None
-    return ScoreRequest(
-        token_ids=[],
-        lora_name=query.get("lora_name"),
-        cache_salt=query.get("cache_salt"),
-        extra_keys=extra,
-        block_size=_int_param(query, "block_size", 1, 1 << 20),
-        local=bool(local is not None and _BOOL[local.lower()]),
-        limit=limit if limit is not None else 64,
-        top_k=top_k,
-    )
+    if extra is None:
+        return req
+    try:
+        return msgspec.structs.replace(req, extra_keys=_extra_decoder.decode(extra))
+    except msgspec.DecodeError as e:  # ValidationError is one
+        raise BadRequest(400, f"invalid request: extra_keys must be a JSON array of arrays or nulls: {e}") from None
 
 
 def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
@@ -192,7 +165,7 @@ _route_decoder = msgspec.json.Decoder(RouteRequest)
 _extra_decoder = msgspec.json.Decoder(ExtraKeys)
 
 
-def tenant_keys(req: ScoreRequest | RouteRequest) -> list[Any] | None:
+def tenant_keys(req: Prompt) -> list[Any] | None:
     """The request's per-block extra keys with its salt folded in; BadRequest when malformed."""
     try:
         # A block holds at least one token: more entries than tokens is no prompt's keys.
@@ -205,15 +178,32 @@ def tenant_keys(req: ScoreRequest | RouteRequest) -> list[Any] | None:
 _json = msgspec.json.Encoder()
 
 
-MAX_ERROR_CHARS = 512
-
-
 def _error(status: int, message: str) -> web.Response:
     # msgspec quotes offending input in its messages (an unknown field's whole name): capped, or
     # a body of one long key gets itself echoed back, up to max_body_bytes.
     if len(message) > MAX_ERROR_CHARS:
-        message = message[:MAX_ERROR_CHARS] + "... (truncated)"
-    return web.Response(status=status, body=_json.encode({"error": message}), content_type="application/json")
+        message = message[:MAX_ERROR_CHARS] + TRUNCATED
+    return _answer(ErrorAnswer(message), status)
+
+
+def _answer(body: msgspec.Struct, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_json.encode(body), content_type="application/json")
+
+
+def _route_answer(picked: Route) -> RouteAnswer:
+    return RouteAnswer(
+        worker=WorkerRef(*picked.worker),
+        matched_tokens=picked.matched_tokens,
+        speculative_tokens=picked.speculative_tokens,
+        hold=None if picked.hold_expires_in_ms is None else HoldAnswer(picked.hold_expires_in_ms),
+        scores=[
+            RouteScore(r.worker[0], r.worker[1], r.matched_tokens, r.speculative_tokens, r.score) for r in picked.rows
+        ],
+    )
+
+
+def _limits(max_tokens: int, max_body_bytes: int) -> str:
+    return f"at most {max_tokens} tokens in a body of at most {max_body_bytes} bytes"
 
 
 def merge_scores(answers: list[list[dict]], limit: int) -> list[dict]:
@@ -266,6 +256,7 @@ def make_app(
     applier.metrics.watch_holds(held)
     app = web.Application(client_max_size=max_body_bytes)
     session: dict[str, aiohttp.ClientSession] = {}
+    doc: dict[str, bytes] = {}
 
     async def parse(request: web.Request, decode: Callable[[bytes], Any]) -> tuple[Any, Any] | web.Response:
         """A request body -> (request, its tenant keys), or the 4xx answer: 413 over the body
@@ -378,11 +369,10 @@ def make_app(
             picked = route(applier, held, tokens, req.lora_name, extra, cands, req.block_size, confirmed)
         except NoCandidate as e:
             return _error(503, str(e))
-        out = picked.to_json()
+        out = _route_answer(picked)
         if peers:
-            out["partial"] = bool(failed)
-            out["failed_peers"] = failed
-        return web.Response(body=_json.encode(out), content_type="application/json")
+            out = msgspec.structs.replace(out, partial=bool(failed), failed_peers=failed)
+        return _answer(out)
 
     async def _scatter(req: ScoreRequest, k: int):
         if "s" not in session:
@@ -419,28 +409,20 @@ def make_app(
 
     async def workers(request: web.Request) -> web.Response:
         ws = await at_home(applier.workers)
-        return web.Response(body=_json.encode({"workers": ws}), content_type="application/json")
+        return _answer(WorkersAnswer(msgspec.convert(ws, list[WorkerInfo])))
 
     async def digest(request: web.Request) -> web.Response:
-        d = await at_home(lambda: {"digest": applier.index.digest(), "holder_blocks": len(applier.index)})
-        return web.Response(body=_json.encode(d), content_type="application/json")
+        return _answer(await at_home(lambda: DigestAnswer(applier.index.digest(), len(applier.index))))
 
     async def healthz(request: web.Request) -> web.Response:
         ok, failure = await at_home(lambda: (ready(), health() if health is not None else None))
-        body: dict = {"ready": ok, "healthy": failure is None}
-        if failure is not None:
-            body["failure"] = failure
-        return web.Response(
-            status=200 if ok and failure is None else 503, body=_json.encode(body), content_type="application/json"
-        )
+        body = HealthAnswer(ok, failure is None, msgspec.UNSET if failure is None else failure)
+        return _answer(body, 200 if ok and failure is None else 503)
 
     async def openapi(request: web.Request) -> web.Response:
-        from .openapi import document
-
-        return web.Response(
-            body=_json.encode(document(max_tokens=max_tokens, max_results=MAX_RESULTS)),
-            content_type="application/json",
-        )
+        if "doc" not in doc:
+            doc["doc"] = _json.encode(document(ROUTES, _limits(max_tokens, max_body_bytes)))
+        return web.Response(body=doc["doc"], content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
         return web.Response(body=applier.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -449,13 +431,23 @@ def make_app(
         if "s" in session:
             await session["s"].close()
 
-    app.router.add_post("/v1/score", score)
-    app.router.add_post("/v1/route", route_handler)
-    app.router.add_get("/v1/workers", workers)
-    app.router.add_get("/v1/digest", digest)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/openapi.json", openapi)
+    handlers = {
+        "score": score,
+        "route": route_handler,
+        "workers": workers,
+        "digest": digest,
+        "healthz": healthz,
+        "metrics": metrics,
+        "openapi": openapi,
+    }
+    # Served only from the table the document is rendered from: no route without its description.
+    if set(handlers) != {op.name for op in ROUTES}:
+        raise RuntimeError(f"handlers {sorted(handlers)} and ROUTES {sorted(op.name for op in ROUTES)} differ")
+    for op in ROUTES:
+        if op.method == "GET":
+            app.router.add_get(op.path, handlers[op.name])  # HEAD with it, as GET's shadow
+        else:
+            app.router.add_route(op.method, op.path, handlers[op.name])
     app.on_cleanup.append(close_session)
     return app
 

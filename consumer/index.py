@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -103,11 +103,16 @@ class IndexOverflow(RuntimeError):
 class WorkerScore(msgspec.Struct, frozen=True, omit_defaults=True):
     instance_id: str
     dp_rank: int
-    matched_tokens: int
-    by_medium: dict[str, int]
+    matched_tokens: Annotated[int, msgspec.Meta(ge=0)]
+    by_medium: dict[str, Annotated[int, msgspec.Meta(ge=0)]]
     score: float
-    # The worker's source cannot observe removals: the credit may name blocks it no longer holds.
-    approximate: bool = False
+    approximate: Annotated[
+        bool,
+        msgspec.Meta(
+            description="Present (true) when the worker's source cannot observe removals: the credit may "
+            "name blocks it no longer holds."
+        ),
+    ] = False
 
 
 class WorkerStats(msgspec.Struct, frozen=True):
