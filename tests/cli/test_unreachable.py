@@ -86,7 +86,9 @@ def test_registry_status_of_a_dead_registry_is_one_line(tmp_path):
 
 
 def test_a_bad_zmq_endpoint_is_one_line(kafka_bootstrap):
-    r = kvwire("bridge", "--zmq-endpoint", "nowhere", "--instance-id", "w", "-b", kafka_bootstrap, "--log-level", "ERROR")
+    r = kvwire(
+        "bridge", "--zmq-endpoint", "nowhere", "--instance-id", "w", "-b", kafka_bootstrap, "--log-level", "ERROR"
+    )
     assert_one_line(r, "ZMQ endpoint at nowhere")
 
 
