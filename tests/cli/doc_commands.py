@@ -200,6 +200,10 @@ def _from_spans(rel: str, text: str) -> list[DocCommand]:
             continue
         lineno = prose.count("\n", 0, m.start()) + 1
         synopsis = _synopsis(prose.splitlines(), lineno - 1, m.group(0))
+        # A table of a command's settings: `| `kvwire bridge` | `--framing confluent ...` |`.
+        options = re.match(r"\s*\|\s*`(--[^`]*)`", prose[m.end() :])
+        if options and not synopsis:
+            span += " " + options.group(1)
         for argv in _expand(span.split()[1:]):
             found.append(DocCommand(f"{rel}:{lineno}", span, tuple(argv), mention=not synopsis))
     return found
