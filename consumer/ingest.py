@@ -145,9 +145,14 @@ class IndexMember:
         self._producer = AIOKafkaProducer(
             bootstrap_servers=self.config.bootstrap_servers, enable_idempotence=True, **opts
         )
-        await self._producer.start()
-        await self._ensure_dlq()
-        await self._consumer.start()
+        try:
+            await self._producer.start()
+            await self._ensure_dlq()
+            await self._consumer.start()
+        except BaseException:
+            # aiokafka leaves a client whose start failed open, and reports it unclosed when collected.
+            await asyncio.gather(self._producer.stop(), self._consumer.stop(), return_exceptions=True)
+            raise
         self._consumer.subscribe([self.config.topic], listener=_Rebalance(self))
         self._task = asyncio.create_task(self._run(), name=f"kvwire-ingest-{self.group_id}")
         self._task.add_done_callback(lambda t: self._task_ended("ingest", t))

@@ -77,9 +77,9 @@ async def replay(
         max_partition_fetch_bytes=4 * 1024 * 1024,
         **(client_options or {}),
     )
-    await c.start()
     t0 = time.perf_counter()
     try:
+        await c.start()  # in the try: a client whose start failed must still be stopped
         parts = sorted(c.partitions_for_topic(topic) or await _partitions(c, topic))
         tps = [TopicPartition(topic, p) for p in parts]
         c.assign(tps)

@@ -380,8 +380,8 @@ class KafkaStore:
             max_partition_fetch_bytes=8 * 1024 * 1024,
             **self.opts,
         )
-        await c.start()
         try:
+            await c.start()  # in the try: a client whose start failed must still be stopped
             tp = TopicPartition(self.topic, partition % n)
             c.assign([tp])
             end = (await c.end_offsets([tp]))[tp]

@@ -6,6 +6,8 @@ from collections.abc import Callable
 
 import typer
 
+from kvwire.cli_options import OptionalBootstrap
+
 app = typer.Typer(invoke_without_command=True, add_completion=False, help="Run the benchmarks (bench/README.md).")
 
 
@@ -15,7 +17,7 @@ def bench(
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes: checks the harness, not speed."),
     only: list[str] = typer.Option(None, "--only", help="Run only this step (repeatable)."),
     results: str = typer.Option(None, "--results", help="Results folder (default bench/results)."),
-    bootstrap: str = typer.Option(None, "--bootstrap", help="Kafka bootstrap servers."),
+    bootstrap_servers: OptionalBootstrap = None,
 ) -> None:
     main = _bench_main()
 
@@ -24,8 +26,8 @@ def bench(
         argv += ["--only", *only]
     if results:
         argv += ["--results", results]
-    if bootstrap:
-        argv += ["--bootstrap", bootstrap]
+    if bootstrap_servers:
+        argv += ["--bootstrap", bootstrap_servers]
     raise typer.Exit(main(argv))
 
 

@@ -20,6 +20,25 @@ from typing import Any
 
 import typer
 
+from kvwire.cli_failure import kafka_client_options, one_line, reaching_kafka
+from kvwire.cli_options import KafkaConfig, OptionalBootstrap
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """`kvwire demo` as parsed, with the broker found or started."""
+
+    bootstrap_servers: str
+    workers: int
+    tp_size: int
+    partitions: int
+    members: int
+    seconds: float
+    rate: float
+    capacity: int
+    seed: int
+    client_options: Any  # kvwire.options.ClientOptions (repr redacted)
+
 
 @dataclass
 class DemoStats:
@@ -44,19 +63,8 @@ def demo(
     rate: float = typer.Option(150.0, help="Requests per second offered"),
     capacity: int = typer.Option(400, help="Cache capacity per worker, in blocks of 16 tokens"),
     seed: int = typer.Option(0),
-    bootstrap_servers: str = typer.Option(
-        None,
-        "--bootstrap-servers",
-        "-b",
-        envvar="KAFKA_BOOTSTRAP_SERVERS",
-        help="Existing Kafka; default: start a local one",
-    ),
-    kafka_config: str | None = typer.Option(
-        None,
-        "--kafka-config",
-        envvar="KVWIRE_KAFKA_CONFIG",
-        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
-    ),
+    bootstrap_servers: OptionalBootstrap = None,
+    kafka_config: KafkaConfig = None,
 ) -> None:
     """Run simulated workers → producer → Kafka → index group → router, and report hit rate against an oracle."""
     from rich.console import Console
@@ -75,13 +83,20 @@ def demo(
         else:
             console.print("[dim]starting Kafka (first run downloads the broker jars with Maven)...[/]")
             bootstrap_servers = resolve_bootstrap()
-    console.print(f"Kafka: [bold]{bootstrap_servers}[/]")
-    from kvwire.options import client_options
-
-    opts = client_options(kafka_config)
-    ok = asyncio.run(
-        _run(console, bootstrap_servers, workers, tp_size, partitions, members, seconds, rate, capacity, seed, opts)
-    )
+    with one_line("demo"):
+        opts = DemoOptions(
+            bootstrap_servers,
+            workers,
+            tp_size,
+            partitions,
+            members,
+            seconds,
+            rate,
+            capacity,
+            seed,
+            kafka_client_options(kafka_config),
+        )
+        ok = asyncio.run(_run(console, opts))
     warnings = _count_warnings(log_path)
     if warnings:
         console.print(f"[dim]{warnings} library warning(s) (consumer-group rebalancing, ...) in {log_path}[/]")
@@ -111,16 +126,20 @@ def _count_warnings(path: str) -> int:
         return 0
 
 
-async def _run(
-    console, bootstrap, n_workers, tp_size, partitions, n_members, seconds, rate, capacity, seed, opts=None
-) -> bool:
+async def _run(console, o: DemoOptions) -> bool:
     from kvwire.consumer.http import merge_scores
     from kvwire.consumer.ingest import IndexMember, IngestConfig
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
     from kvwire.producer.simulator import SimConfig, Simulator
 
+    bootstrap, partitions, opts = o.bootstrap_servers, o.partitions, o.client_options
+    n_workers, n_members = o.workers, o.members
     topic = f"kvwire.demo-{uuid.uuid4().hex[:8]}"
-    opts = opts or {}
+    # The topic first: it is the demo's first contact with the broker, and the publisher
+    # (which retries an outage for ever, as an engine's must) only starts once it answered.
+    with reaching_kafka(bootstrap):
+        await _create_topic(bootstrap, topic, partitions, opts)
+    console.print(f"Kafka: [bold]{bootstrap}[/]")
     pub = KafkaPublisher(
         PublisherConfig(
             bootstrap_servers=bootstrap, topic=topic, partitions=partitions, linger_ms=2, client_options=opts
@@ -128,13 +147,14 @@ async def _run(
     )
     streams: dict[Any, Any] = {}
     sim = Simulator(
-        SimConfig(workers=n_workers, tp_size=tp_size, capacity_blocks=capacity, seed=seed, p_clear=0.0, p_restart=0.0),
+        SimConfig(
+            workers=n_workers, tp_size=o.tp_size, capacity_blocks=o.capacity, seed=o.seed, p_clear=0.0, p_restart=0.0
+        ),
         lambda rank, evs: streams[rank].publish(evs),
         on_restart=lambda rank: streams[rank].new_epoch(),
     )
-    await _create_topic(bootstrap, topic, partitions, opts)
     console.print(
-        f"topic [bold]{topic}[/] ({partitions} partitions), {n_workers} workers x TP{tp_size}, "
+        f"topic [bold]{topic}[/] ({partitions} partitions), {n_workers} workers x TP{o.tp_size}, "
         f"{n_members} index member(s) in one group"
     )
 
@@ -180,14 +200,14 @@ async def _run(
         return merge_scores(answers, limit=8)
 
     st = DemoStats()
-    rng = random.Random(seed + 1)
+    rng = random.Random(o.seed + 1)
     index_of = {w: i for i, w in enumerate(sim.workers)}
     bs = sim.cfg.block_size
     t0 = time.perf_counter()
     next_print = t0 + 1.0
-    interval = 1.0 / rate
+    interval = 1.0 / o.rate
     rr = 0
-    while (now := time.perf_counter()) - t0 < seconds:
+    while (now := time.perf_counter()) - t0 < o.seconds:
         # faults a real fleet sees: restarts (a new epoch) and cache resets
         if rng.random() < 0.002:
             w = rng.randrange(n_workers)
@@ -304,8 +324,8 @@ async def _end_offsets(bootstrap, topic, opts=None) -> dict[int, int]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
     c = AIOKafkaConsumer(bootstrap_servers=bootstrap, **(opts or {}))
-    await c.start()
     try:
+        await c.start()  # in the try: a client whose start failed must still be stopped
         parts = c.partitions_for_topic(topic)
         if not parts:
             await c._client.force_metadata_update()

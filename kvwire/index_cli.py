@@ -9,15 +9,42 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
 
 import typer
 
-from kvwire.options import CONFIG_ENV, client_options
+from kvwire.cli_failure import Unreachable, kafka_client_options, one_line, reaching_kafka
+from kvwire.cli_options import DEFAULT_TOPIC, Bootstrap, KafkaConfig, Topic
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    """`kvwire index` as parsed: built once by the command, read by everything it starts."""
+
+    bootstrap_servers: str
+    topic: str
+    group: str | None
+    host: str
+    port: int
+    peers: tuple[str, ...]
+    heartbeat_timeout_s: float
+    snapshot_dir: str | None
+    snapshots: bool
+    snapshot_interval_s: float
+    snapshot_records: int
+    snapshot_failures: int
+    snapshot_retry_s: float
+    max_tokens: int
+    kafka_config: str | None
+    http_workers: int
+    lmcache_topic: str | None
+    lmcache_model: str | None
+    hold_ttl_s: float
 
 
 def index(
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS"),
-    topic: str = typer.Option("kvwire.events", "--topic", "-t"),
+    bootstrap_servers: Bootstrap,
+    topic: Topic = DEFAULT_TOPIC,
     group: str | None = typer.Option(
         None,
         "--group",
@@ -53,12 +80,7 @@ def index(
     snapshot_retry: float = typer.Option(
         1.0, "--snapshot-retry", help="Seconds before the first snapshot retry (doubling, at most 60 s)"
     ),
-    kafka_config: str | None = typer.Option(
-        None,
-        "--kafka-config",
-        envvar=CONFIG_ENV,
-        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
-    ),
+    kafka_config: KafkaConfig = None,
     http_workers: int = typer.Option(
         1,
         "--http-workers",
@@ -83,118 +105,112 @@ def index(
     """Build a prefix-cache index from the topic and serve it over HTTP."""
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     host, _, port = http.rpartition(":")
-    code = asyncio.run(
-        _run(
-            bootstrap_servers,
-            topic,
-            group,
-            host or "127.0.0.1",
-            int(port),
-            peer,
-            heartbeat_timeout,
-            snapshot_dir,
-            snapshots,
-            max_tokens,
-            snapshot_interval,
-            snapshot_records,
-            snapshot_failures,
-            snapshot_retry,
-            kafka_config,
-            http_workers,
-            lmcache_topic=lmcache_topic,
-            lmcache_model=lmcache_model,
-            hold_ttl_s=hold_ttl_s,
-        )
+    if not port.isdigit():
+        raise typer.BadParameter(f"HOST:PORT, not {http!r}", param_hint="--http")
+    opts = IndexOptions(
+        bootstrap_servers=bootstrap_servers,
+        topic=topic,
+        group=group,
+        host=host or "127.0.0.1",
+        port=int(port),
+        peers=tuple(peer),
+        heartbeat_timeout_s=heartbeat_timeout,
+        snapshot_dir=snapshot_dir,
+        snapshots=snapshots,
+        snapshot_interval_s=snapshot_interval,
+        snapshot_records=snapshot_records,
+        snapshot_failures=snapshot_failures,
+        snapshot_retry_s=snapshot_retry,
+        max_tokens=max_tokens,
+        kafka_config=kafka_config,
+        http_workers=http_workers,
+        lmcache_topic=lmcache_topic,
+        lmcache_model=lmcache_model,
+        hold_ttl_s=hold_ttl_s,
     )
+    with one_line("index"):
+        code = asyncio.run(_run(opts))
     if code:
         raise typer.Exit(code)
 
 
-async def _run(
-    bootstrap,
-    topic,
-    group,
-    host,
-    port,
-    peers,
-    heartbeat_timeout,
-    snapshot_dir,
-    use_snapshots,
-    max_tokens,
-    snapshot_interval=60.0,
-    snapshot_records=200_000,
-    snapshot_failures=5,
-    snapshot_retry=1.0,
-    kafka_config=None,
-    http_workers=1,
-    lmcache_topic=None,
-    lmcache_model=None,
-    hold_ttl_s=2.0,
-) -> int:
+async def _run(o: IndexOptions) -> int:
     from kvwire.consumer.holds import Holds
     from kvwire.consumer.http import HttpWorkers, make_app
     from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
 
-    opts = client_options(kafka_config)
+    opts = kafka_client_options(o.kafka_config)
     cfg = IngestConfig(
-        bootstrap,
-        topic,
-        group_id=group or default_group_id(topic, port),
-        heartbeat_timeout_s=heartbeat_timeout,
+        o.bootstrap_servers,
+        o.topic,
+        group_id=o.group or default_group_id(o.topic, o.port),
+        heartbeat_timeout_s=o.heartbeat_timeout_s,
         client_options=opts,
-        snapshot_retry_s=snapshot_retry,
-        snapshot_failure_limit=snapshot_failures,
+        snapshot_retry_s=o.snapshot_retry_s,
+        snapshot_failure_limit=o.snapshot_failures,
     )
     store = None
-    if use_snapshots:
+    if o.snapshots:
         from kvwire.consumer.snapshot import snapshot_store
 
         store = snapshot_store(
-            bootstrap,
-            topic,
-            directory=snapshot_dir,
+            o.bootstrap_servers,
+            o.topic,
+            directory=o.snapshot_dir,
             client_options=opts,
-            interval_s=snapshot_interval,
-            every_records=snapshot_records,
+            interval_s=o.snapshot_interval_s,
+            every_records=o.snapshot_records,
         )
     member = IndexMember(cfg, snapshots=store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await member.start()
-    feed = None
-    if lmcache_topic:
-        from kvwire.consumer.lmcache_feed import feed_member
-
-        feed = await feed_member(member, lmcache_topic, lmcache_model)
-    holds = Holds(hold_ttl_s)  # one for every HTTP loop: a route on one is seen by the others
+    holds = Holds(o.hold_ttl_s)  # one for every HTTP loop: a route on one is seen by the others
     # HTTP on threads only: a flood of requests then competes with ingest for the GIL, not
     # for ingest's own loop (sharing it, ingest fell to a third of its rate under load).
     runner = HttpWorkers(
         lambda: make_app(
             member.applier,
             lambda: member.ready,
-            peers=peers,
-            max_tokens=max_tokens,
+            peers=list(o.peers),
+            max_tokens=o.max_tokens,
             health=lambda: member.failure,
             home=loop,
             holds=holds,
         ),
-        host,
-        port,
-        http_workers,
+        o.host,
+        o.port,
+        o.http_workers,
         on_caller_loop=False,
     )
-    await runner.start()
-    typer.echo(
-        f"kvwire index: group {member.group_id}, http://{host}:{port}"
-        + (f" ({http_workers} HTTP workers)" if http_workers > 1 else ""),
-        err=True,
-    )
+    # The port first: a member that could not serve must not join the group (and move
+    # partitions around) at all. Until it is ready the API answers "not ready".
+    try:
+        port = await runner.start()
+    except OSError as e:
+        await runner.cleanup()
+        raise Unreachable("HTTP", f"{o.host}:{o.port}", e.strerror or str(e), verb="listen for") from None
+    feed = None
+    try:
+        with reaching_kafka(o.bootstrap_servers):
+            await member.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(member.wait_failed())
     try:
+        if o.lmcache_topic:
+            from kvwire.consumer.lmcache_feed import feed_member
+
+            with reaching_kafka(o.bootstrap_servers):
+                feed = await feed_member(member, o.lmcache_topic, o.lmcache_model)
+        typer.echo(
+            f"kvwire index: group {member.group_id}, http://{o.host}:{port}"
+            + (f" ({o.http_workers} HTTP workers)" if o.http_workers > 1 else ""),
+            err=True,
+        )
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
     finally:
         for f in (stopped, failed):

@@ -6,11 +6,26 @@ import asyncio
 import json
 import sys
 import time
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import typer
 
-from kvwire.options import client_options
+from kvwire.cli_failure import kafka_client_options, one_line, reaching_kafka
+from kvwire.cli_options import DEFAULT_TOPIC, Bootstrap, KafkaConfig, Topic
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """`kvwire replay` as parsed."""
+
+    bootstrap_servers: str
+    topic: str
+    start: str | datetime  # "earliest", "snapshot" or a time
+    until: datetime | None  # None: the end offsets at the start
+    snapshot_dir: str | None
+    json_path: str | None
+    kafka_config: str | None
 
 
 def _when(s: str) -> datetime:
@@ -22,8 +37,8 @@ def _when(s: str) -> datetime:
 
 
 def replay(
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS"),
-    topic: str = typer.Option("kvwire.events", "--topic", "-t"),
+    bootstrap_servers: Bootstrap,
+    topic: Topic = DEFAULT_TOPIC,
     start: str = typer.Option("earliest", "--from", help="earliest | snapshot | <ISO-8601 time>"),
     until: str = typer.Option("end", "--until", help="end | <ISO-8601 time>"),
     snapshot_dir: str | None = typer.Option(
@@ -32,26 +47,33 @@ def replay(
         help="With --from snapshot: read snapshots from this directory instead of <topic>.snapshots",
     ),
     json_path: str | None = typer.Option(None, "--json", help="Write the summary as JSON here ('-' for stdout)"),
-    kafka_config: str | None = typer.Option(
-        None,
-        "--kafka-config",
-        envvar="KVWIRE_KAFKA_CONFIG",
-        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
-    ),
+    kafka_config: KafkaConfig = None,
 ) -> None:
     """Rebuild an index from the topic; report records, blocks/s, per-worker blocks and the digest."""
+    opts = ReplayOptions(
+        bootstrap_servers,
+        topic,
+        start if start in ("earliest", "snapshot") else _when(start),
+        None if until == "end" else _when(until),
+        snapshot_dir,
+        json_path,
+        kafka_config,
+    )
+    with one_line("replay"):
+        _replay(opts)
+
+
+def _replay(o: ReplayOptions) -> None:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from kvwire.consumer.replay import replay as run_replay
     from kvwire.consumer.snapshot import snapshot_store
 
-    opts = client_options(kafka_config)
-    begin: str | datetime = start if start in ("earliest", "snapshot") else _when(start)
-    end = None if until == "end" else _when(until)
+    opts = kafka_client_options(o.kafka_config)
     snaps = (
-        snapshot_store(bootstrap_servers, topic, directory=snapshot_dir, client_options=opts)
-        if start == "snapshot"
+        snapshot_store(o.bootstrap_servers, o.topic, directory=o.snapshot_dir, client_options=opts)
+        if o.start == "snapshot"
         else None
     )
 
@@ -77,9 +99,16 @@ def replay(
 
         async def run():
             try:
-                return await run_replay(
-                    bootstrap_servers, topic, begin, end, snapshots=snaps, client_options=opts, progress=progress
-                )
+                with reaching_kafka(o.bootstrap_servers):
+                    return await run_replay(
+                        o.bootstrap_servers,
+                        o.topic,
+                        o.start,
+                        o.until,
+                        snapshots=snaps,
+                        client_options=opts,
+                        progress=progress,
+                    )
             finally:
                 if snaps is not None:
                     await snaps.close()
@@ -92,11 +121,11 @@ def replay(
         f"{s['dead_letters']} malformed; digest {s['digest']}",
         err=True,
     )
-    if json_path:
+    if o.json_path:
         out = {k: s[k] for k in ("records", "events", "workers", "digest")}
         text = json.dumps(out, indent=2)
-        if json_path == "-":
+        if o.json_path == "-":
             typer.echo(text)
         else:
-            with open(json_path, "w") as f:
+            with open(o.json_path, "w") as f:
                 f.write(text + "\n")

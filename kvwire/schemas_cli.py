@@ -23,6 +23,9 @@ from typing import Any
 
 import typer
 
+from kvwire.cli_failure import BadSetting, one_line
+from kvwire.cli_options import DEFAULT_TOPIC, Topic
+
 app = typer.Typer(help="Print or export every kvwire schema version with its fingerprint.")
 
 _FILE = re.compile(r"event_batch\.v(\d+)\.avsc")
@@ -96,12 +99,13 @@ def schemas(
         metavar="URL",
         help="register every version, oldest first, with FULL_TRANSITIVE compatibility, in the schema registry at URL",
     ),
-    topic: str = typer.Option("kvwire.events", "--topic", help="with --register: subject = TOPIC-value"),
+    topic: Topic = DEFAULT_TOPIC,
     subject: str | None = typer.Option(None, "--subject", help="with --register: this subject instead"),
 ) -> None:
     """Every schema version with its CRC-64-AVRO fingerprint (newest is the current writer)."""
     if register is not None:
-        _register(register, subject or f"{topic}-value")
+        with one_line("schemas --register"):
+            _register(register, subject or f"{topic}-value")
         return
     found = shipped()
     if out is None:
@@ -118,17 +122,15 @@ def schemas(
 
 
 def _register(url: str, subject: str) -> None:
-    from kvwire.registry.client import KVWIRE_COMPATIBILITY, RegistryClient, RegistryConfig, RegistryError
+    from kvwire.registry.client import KVWIRE_COMPATIBILITY, RegistryClient, RegistryConfig
     from kvwire.registry.shipped import register_shipped
 
     try:
         cfg = RegistryConfig.from_env(url)
-        assert cfg is not None
-        client = RegistryClient(cfg)
-        ids = register_shipped(client, subject)
-    except (RegistryError, ValueError) as e:
-        typer.echo(f"kvwire schemas --register: {e}", err=True)
-        raise typer.Exit(1) from None
+    except ValueError as e:
+        raise BadSetting(str(e)) from None
+    assert cfg is not None
+    ids = register_shipped(RegistryClient(cfg), subject)
     for version, sid in ids:
         typer.echo(f"v{version}  dev.kvwire.EventBatch/v{version}  subject={subject}  id={sid}")
     typer.echo(f"{subject}: {len(ids)} versions, compatibility {KVWIRE_COMPATIBILITY}", err=True)

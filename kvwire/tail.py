@@ -19,6 +19,9 @@ from typing import IO, Any
 
 import typer
 
+from kvwire.cli_failure import BadSetting, kafka_client_options, one_line, reaching_kafka
+from kvwire.cli_options import DEFAULT_TOPIC, Bootstrap, KafkaConfig, Topic
+
 app = typer.Typer(help="Print decoded kvwire batches from a topic (no consumer group).")
 
 _EPOCH0 = datetime(1970, 1, 1, tzinfo=UTC)
@@ -42,7 +45,7 @@ class TailOptions:
     schema_registry_url: str | None = None
 
 
-class TailError(Exception):
+class TailError(BadSetting):
     """A usage or setup problem (unknown topic, bad --from): reported, never a traceback."""
 
 
@@ -266,8 +269,8 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
         auto_offset_reset="earliest" if start == "earliest" else "latest",
         **{"client_id": "kvwire-tail", **opts.client_options},
     )
-    await consumer.start()
     try:
+        await consumer.start()  # in the try: a client whose start failed must still be stopped
         # A group-less consumer has no topic metadata yet, and consumer.topics() fetches it without
         # keeping it; one explicit fetch also answers "no such topic" at once instead of retrying.
         cluster = await consumer._client.fetch_all_metadata()
@@ -331,8 +334,8 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
 
 @app.callback(invoke_without_command=True)
 def tail(
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", envvar="KAFKA_BOOTSTRAP_SERVERS"),
-    topic: str = typer.Option(..., "--topic"),
+    bootstrap_servers: Bootstrap,
+    topic: Topic = DEFAULT_TOPIC,
     start: str = typer.Option(
         "latest",
         "--from",
@@ -343,12 +346,7 @@ def tail(
     as_json: bool = typer.Option(False, "--json", help="one JSON object per record"),
     max_records: int | None = typer.Option(None, "--max-records", min=1),
     timeout: float | None = typer.Option(None, "--timeout", help="stop after S seconds without a record"),
-    kafka_config: str | None = typer.Option(
-        None,
-        "--kafka-config",
-        envvar="KVWIRE_KAFKA_CONFIG",
-        help="Kafka client properties file (security.protocol, sasl.*, ssl.*)",
-    ),
+    kafka_config: KafkaConfig = None,
     schema_registry_url: str | None = typer.Option(
         None,
         "--schema-registry-url",
@@ -357,26 +355,27 @@ def tail(
     ),
 ) -> None:
     """Print decoded kvwire batches: one line per event, or JSON lines with --json."""
-    from kvwire.options import client_options
-
-    try:
-        copts = client_options(kafka_config)
-    except ValueError as e:
-        typer.echo(f"kvwire tail: {e}", err=True)
-        raise typer.Exit(2) from None
-    opts = TailOptions(
-        bootstrap_servers, topic, start, worker, partition, as_json, max_records, timeout, copts, schema_registry_url
-    )
-    try:
+    with one_line("tail"):
+        opts = TailOptions(
+            bootstrap_servers,
+            topic,
+            start=start,
+            worker=worker,
+            partition=partition,
+            as_json=as_json,
+            max_records=max_records,
+            timeout_s=timeout,
+            client_options=kafka_client_options(kafka_config),
+            schema_registry_url=schema_registry_url,
+        )
         parse_start(start)  # fail on a bad --from before connecting
-        asyncio.run(run_tail(opts, sys.stdout))
-    except TailError as e:
-        typer.echo(f"kvwire tail: {e}", err=True)
-        raise typer.Exit(2) from None
-    except BrokenPipeError:  # `kvwire tail ... | head` is normal use
-        raise typer.Exit(0) from None
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+        try:
+            with reaching_kafka(bootstrap_servers):
+                asyncio.run(run_tail(opts, sys.stdout))
+        except BrokenPipeError:  # `kvwire tail ... | head` is normal use
+            raise typer.Exit(0) from None
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ import time
 
 import typer
 
+from kvwire.cli_options import Bootstrap, KafkaConfig
+
 app = typer.Typer(no_args_is_help=True, help="Run the local Kafka (KRaft): one broker, or a cluster with --brokers N.")
 
 HomeOpt = typer.Option(None, "--home", envvar="KVWIRE_KAFKA_HOME", help="state dir")
@@ -102,21 +104,25 @@ def image(
 
 @app.command()
 def wait(
-    bootstrap_servers: str = typer.Option(..., "--bootstrap-servers", "-b", envvar="KAFKA_BOOTSTRAP_SERVERS"),
+    bootstrap_servers: Bootstrap,
     timeout: float = typer.Option(120.0, "--timeout", help="seconds before giving up (exit 1)"),
-    topic: list[str] = typer.Option([], "--topic", help="also make sure this topic exists (repeatable)"),
+    topic: list[str] = typer.Option([], "--topic", "-t", help="also make sure this topic exists (repeatable)"),
     partitions: int = typer.Option(12, "--partitions", help="partitions of a topic created here"),
+    kafka_config: KafkaConfig = None,
 ) -> None:
     """Block until the broker answers a metadata round trip: the readiness wait a compose service
     runs before its command, since healthcheck-gated depends_on needs systemd under podman.
     --topic creates a missing topic (kvwire's replication rules), so a consumer subscribing to it
     next is assigned its partitions at once instead of at its next metadata refresh."""
-    from kvwire.options import admin_options, client_options_from_env
+    from kvwire.cli_failure import kafka_client_options, one_line
+    from kvwire.options import admin_options
 
     from . import probe
 
+    with one_line("kafka wait"):
+        opts = kafka_client_options(kafka_config)
     t0 = time.monotonic()
-    while not probe.answers(bootstrap_servers, 5.0, **admin_options(client_options_from_env())):
+    while not probe.answers(bootstrap_servers, 5.0, **admin_options(opts)):
         if time.monotonic() - t0 > timeout:
             typer.echo(f"Kafka at {bootstrap_servers} not ready after {timeout:.0f}s", err=True)
             raise typer.Exit(1)
@@ -125,7 +131,5 @@ def wait(
     if topic:
         from kvwire.topics import ensure_topics
 
-        have = probe.run_sync(
-            lambda: ensure_topics(bootstrap_servers, list(topic), partitions, client_options=client_options_from_env())
-        )
+        have = probe.run_sync(lambda: ensure_topics(bootstrap_servers, list(topic), partitions, client_options=opts))
         typer.echo(f"topics: {have}", err=True)
