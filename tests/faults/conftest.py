@@ -1,8 +1,11 @@
-"""A second, secured broker for the security tests: SASL_PLAINTEXT, SASL_SSL and an mTLS listener
-(SSL with client certificates required, signed by a test CA), plus the three-broker cluster.
+"""The fault suite's own brokers, from one factory (:class:`PrivateBrokers`): a secured broker
+for the security tests (SASL_PLAINTEXT, SASL_SSL and an mTLS listener, SSL with client
+certificates required, signed by a test CA), the three-broker cluster for the replication faults,
+and single brokers that a test may kill.
 
-It is a separate LocalKafka (own home, own ports) because the shared broker on 19092 must stay
-PLAINTEXT for every other test, and a broker's listeners cannot be changed while it runs."""
+Each is a LocalKafka of its own (own home, own ports): the shared broker on 19092 must stay
+PLAINTEXT for every other test and is never killed, and a broker's listeners cannot be changed
+while it runs."""
 
 from __future__ import annotations
 
@@ -10,13 +13,19 @@ import datetime
 import ipaddress
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-from ci_env import in_ci, unavailable
+from ci_env import in_ci, need_java_and_mvn, unavailable
 
 from kvwire.broker.probe import run_sync
+
+if TYPE_CHECKING:
+    from kvwire.broker import LocalKafka
+    from kvwire.broker.cluster import LocalCluster
 
 USER = "kvwire"
 # Random per session so a leak check cannot pass by luck of a value that never reached the client.
@@ -221,11 +230,9 @@ def client_config(bootstrap_env: dict[str, str]) -> dict:
 
 
 @pytest.fixture(scope="session")
-def secure_kafka(tmp_path_factory: pytest.TempPathFactory):
-    """Started once per session, stopped (and its temp home dropped) at the end."""
-    from kvwire.broker import LocalKafka
-
-    home = tmp_path_factory.mktemp("sasl-kafka")
+def secure_kafka(private_brokers: PrivateBrokers) -> SecureKafka:
+    """Started once per session, killed (and its temp home dropped) at the end."""
+    home = private_brokers.home("sasl-kafka")
     # p: SASL, p+1: controller, p+2: SASL_SSL, p+3: mTLS
     port = int(os.environ.get("KVWIRE_SASL_KAFKA_PORT") or free_port_run(4))
     tls_error = None
@@ -248,20 +255,17 @@ def secure_kafka(tmp_path_factory: pytest.TempPathFactory):
         rogue_cert=certs.get("rogue_cert"),
         rogue_key=certs.get("rogue_key"),
     )
-    kafka = LocalKafka(home, port, extra_properties=props, format_args=fmt, client_config=client_config(info.env()))
-    try:
-        kafka.start()
-    except Exception as e:
-        kafka.stop()
-        reason = f"SASL broker could not start: {e}"
-        unavailable(reason)
+    private_brokers.single(
+        "SASL broker",
+        home=home,
+        port=port,
+        extra_properties=props,
+        format_args=fmt,
+        client_config=client_config(info.env()),
+    )
     if tls_error is not None and in_ci():
-        kafka.stop()
         pytest.fail(f"TLS keystore could not be made: {tls_error}", pytrace=False)
-    try:
-        yield info
-    finally:
-        kafka.stop()
+    return info
 
 
 @pytest.fixture
@@ -299,22 +303,66 @@ def free_port_run(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports on 127.0.0.1")
 
 
+class PrivateBrokers:
+    """Starts brokers of the fault tests' own; every one it started is killed when the session
+    ends (their data are temp dirs: no controlled shutdown needed). A start that fails fails the
+    test under CI and skips it elsewhere, like any missing broker."""
+
+    def __init__(self, tmp: pytest.TempPathFactory) -> None:
+        self._tmp = tmp
+        self._started: list[LocalKafka | LocalCluster] = []
+
+    def home(self, name: str) -> Path:
+        return self._tmp.mktemp(name)
+
+    def single(self, what: str = "private broker", *, home: Path | None = None, port: int | None = None, **options):
+        """A started single broker (kvwire.broker.LocalKafka; options are its keywords). A test
+        that kills it must stop it itself when done: it is its own, not the session's."""
+        from kvwire.broker import LocalKafka
+
+        need_java_and_mvn(f"a {what}")
+        kafka = LocalKafka(home or self.home("kafka"), port or free_port_run(2), **options)
+        self._start(kafka, what)
+        return kafka
+
+    def cluster(self, brokers: int = 3):
+        """A started multi-broker KRaft cluster (kvwire.broker.cluster.LocalCluster)."""
+        from kvwire.broker.cluster import LocalCluster
+
+        what = f"{brokers}-broker cluster"
+        need_java_and_mvn(f"a {what}")
+        cluster = LocalCluster(self.home("kafka-cluster"), free_port_run(2 * brokers), brokers)
+        self._start(cluster, what)
+        return cluster
+
+    def _start(self, broker: LocalKafka | LocalCluster, what: str) -> None:
+        self._started.append(broker)
+        try:
+            broker.start()
+        except Exception as e:
+            broker.kill()
+            unavailable(f"{what} could not start: {e}")
+
+    def kill_all(self) -> None:
+        for broker in reversed(self._started):
+            try:
+                broker.kill()
+            except Exception:
+                pass  # teardown: one broker that cannot be killed must not leave the others up
+
+
 @pytest.fixture(scope="session")
-def kafka_cluster(tmp_path_factory: pytest.TempPathFactory):
+def private_brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateBrokers]:
+    """The one factory of the fault suite's own brokers and clusters."""
+    brokers = PrivateBrokers(tmp_path_factory)
+    try:
+        yield brokers
+    finally:
+        brokers.kill_all()
+
+
+@pytest.fixture(scope="session")
+def kafka_cluster(private_brokers: PrivateBrokers):
     """A private three-broker KRaft cluster (kvwire.broker.cluster) for the replication faults.
     Tests that kill or restart a node must leave all three running again."""
-    from ci_env import need_java_and_mvn
-
-    from kvwire.broker.cluster import LocalCluster
-
-    need_java_and_mvn("a three-broker cluster")
-    cluster = LocalCluster(tmp_path_factory.mktemp("kafka-cluster"), free_port_run(6), 3)
-    try:
-        cluster.start()
-    except Exception as e:
-        cluster.kill()
-        unavailable(f"three-broker cluster could not start: {e}")
-    try:
-        yield cluster
-    finally:
-        cluster.kill()  # its data is a temp dir: no controlled shutdown needed
+    return private_brokers.cluster(3)

@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from ci_env import need_java_and_mvn
-from kafka_admin import free_port_pair
 from oracle import Oracle
 
 from kvwire.consumer.index import PrefixIndex
@@ -94,15 +92,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def private_broker(home: Path):
-    """A LocalKafka of our own (own home, own ports) for tests that kill it; the shared broker
-    on 19092 is never touched."""
-    need_java_and_mvn()
-    from kvwire.broker import LocalKafka
-
-    return LocalKafka(home, free_port_pair())
 
 
 # ---------------------------------------------------------------- the fleet

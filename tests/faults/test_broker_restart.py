@@ -3,7 +3,7 @@
 Producers keep publishing through the outage (the publisher buffers and retries), an index
 member keeps running through it (its consumer reconnects and rejoins), and once the workload is
 over the member equals the oracle fed every acknowledged record; no acknowledged record is lost.
-A private broker (own home, own ports): the shared one on 19092 is never killed."""
+A private broker (tests/faults/conftest.py's factory): the shared one on 19092 is never killed."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from oracle_feed import (
     assert_scores,
     build_expected,
     diff_index,
-    private_broker,
     read_log,
     record_result,
     score_requests,
@@ -30,9 +29,9 @@ from kvwire.consumer.ingest import IndexMember, IngestConfig
 pytestmark = pytest.mark.integration
 
 
-async def test_broker_sigkill_mid_stream_member_converges(tmp_path):
-    kafka = private_broker(tmp_path / "kafka")
-    bootstrap = await asyncio.to_thread(kafka.start)
+async def test_broker_sigkill_mid_stream_member_converges(private_brokers):
+    kafka = await asyncio.to_thread(private_brokers.single)
+    bootstrap = kafka.bootstrap
     topic = "faults-broker-kill"
     fleet = member = None
     try:

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 import zmq
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
+from oracle_feed import free_port
 
 from kvwire.options import client_options_from_env, redact
 from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
@@ -92,12 +92,6 @@ async def end_offset(k, topic: str) -> int:
 
 def has_events(batches) -> bool:
     return any(b.events for b in batches)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
