@@ -12,7 +12,7 @@ records are then pushed through each stage alone, in-process, to show where the 
   ``apply_poll`` in one call: fast decode, fence, index;
 - ``applier_slices``: the same through ``Applier.apply_records`` (time-budgeted slices, metrics, Python);
 - ``decode_only``: ``codec.decode`` (fastavro, the reference/fallback decoder) of every value;
-- ``fence_and_index``: ``Applier.apply_batch`` of pre-decoded batches (the fallback entry point);
+- ``fence_and_index``: ``Applier.apply_batch`` of pre-decoded batches (re-encoded, then the core's path);
 - ``index_only``: ``PrefixIndex.apply_batch`` of every record's events.
 
     python -m bench.apply_rate [--quick] [--blocks N]

@@ -14,11 +14,11 @@ import msgspec
 from kvwire import _core
 from kvwire.schemas import codec
 from kvwire.schemas.codec import DecodeError
-from kvwire.schemas.events import AllBlocksCleared, BlockStored, EventBatch, WorkerId
+from kvwire.schemas.events import AllBlocksCleared, EventBatch, WorkerId
 
-from .index import IndexOverflow, MalformedEvent, PrefixIndex, WorkerScore, _event_tuple
+from .index import IndexOverflow, MalformedEvent, PrefixIndex, WorkerScore
 from .metrics import IngestMetrics
-from .rank_state import VERDICTS, RankState, RankTable, Verdict
+from .rank_state import RankState, RankTable, Verdict
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -31,21 +31,6 @@ class DeadLetter(msgspec.Struct, frozen=True):
     value: bytes | None
     error: str
     timestamp_ms: int
-
-
-def check_batch(batch: EventBatch) -> None:
-    """Raise MalformedEvent if any event of the record cannot be applied."""
-    for ev in batch.events:
-        if (
-            type(ev) is BlockStored
-            and ev.block_size > 0
-            and len(ev.token_ids)
-            and len(ev.token_ids) != ev.block_size * len(ev.block_hashes)
-        ):
-            raise MalformedEvent(
-                f"BlockStored with {len(ev.block_hashes)} hashes of block_size {ev.block_size} "
-                f"carries {len(ev.token_ids)} token ids"
-            )
 
 
 # How long one core call may hold the event loop: heartbeats and HTTP readers run between
@@ -67,8 +52,16 @@ class Applier:
     loop between feeds, so they always see a whole record applied or none.
     """
 
-    def __init__(self, index: PrefixIndex | None = None, metrics: IngestMetrics | None = None):
+    def __init__(
+        self,
+        index: PrefixIndex | None = None,
+        metrics: IngestMetrics | None = None,
+        schema_ids: codec.SchemaIds = codec.SCHEMA_IDS,
+    ):
         self.index = index if index is not None else PrefixIndex()
+        # Registry ids of Confluent-framed records, resolved before they are applied
+        # (kvwire.registry.resolver fills the process-wide cache by default).
+        self.schema_ids = schema_ids
         self.ranks = RankTable()
         self.metrics = metrics if metrics is not None else IngestMetrics()
         # partition -> workers seen there, to drop them when it is revoked
@@ -79,6 +72,8 @@ class Applier:
         self.records = 0
         self.events = 0
         self.blocks = 0
+        # Records the core's fast decoder declined, which the reference decoder took.
+        self.declined = 0
 
     # ------------------------------------------------------------ feeding
 
@@ -93,12 +88,13 @@ class Applier:
         t0 = time.perf_counter()
         i, n = start, len(recs)
         rl = recs if isinstance(recs, list) else list(recs)
+        shipped = self.schema_ids.shipped()
         while i < n:
             left = budget_us - int((time.perf_counter() - t0) * 1e6)
             if left <= 0:
                 break
             nxt, declined, tally, dead, seen = _core.apply_poll(
-                self.index.core, self.ranks.core, rl, i, left, time.time_ns() // 1000
+                self.index.core, self.ranks.core, rl, i, left, time.time_ns() // 1000, shipped
             )
             self._account(tally)
             if seen:
@@ -110,6 +106,7 @@ class Applier:
                 self.positions[partition] = rl[nxt - 1].offset + 1
             if declined:
                 r = rl[nxt]
+                self.declined += 1
                 self.apply_record(topic, partition, r.offset, r.key, r.value, r.timestamp)
                 nxt += 1
             i = nxt
@@ -140,10 +137,12 @@ class Applier:
     def apply_record(
         self, topic: str, partition: int, offset: int, key: bytes | None, value: Any, timestamp_ms: int
     ) -> None:
-        """Apply one Kafka record through the reference decoder. Never raises for bad input: it dead-letters it."""
+        """Apply one Kafka record through the reference decoder (fastavro, which also resolves a
+        writer schema kvwire does not ship). Never raises for bad input: it dead-letters it with
+        the reference's reason."""
         self.positions[partition] = offset + 1
         try:
-            batch = codec.decode(value)
+            batch = codec.decode(value, ids=self.schema_ids)
         except DecodeError as e:
             self._dead(topic, partition, offset, key, value, e.reason, timestamp_ms)
             return
@@ -155,30 +154,34 @@ class Applier:
     def apply_batch(self, batch: EventBatch, partition: int = 0) -> Verdict:
         """Fence and apply one decoded record, whole or not at all. Raises
         MalformedEvent (nothing applied, seq not consumed) or IndexOverflow
-        (nothing applied, seq consumed, the rank untrusted)."""
-        check_batch(batch)
-        w = batch.worker
+        (nothing applied, seq consumed, the rank untrusted).
+
+        The batch is encoded in the current version and takes the core's path,
+        the one every record's bytes take: one implementation of decoding,
+        fencing, the malformed-store rule and context hashing."""
         if not isinstance(self.index, PrefixIndex):
             return self._apply_model(batch, partition)
-        evs = [t for t in map(_event_tuple, batch.events) if t is not None]
-        verdict, tally, dead = _core.apply_decoded(
-            self.index.core,
-            self.ranks.core,
-            (w.instance_id, w.dp_rank, w.tp_rank, w.tp_size),
-            (batch.epoch, batch.seq, batch.ts_us, batch.reset, batch.gap),
-            evs,
-            time.time_ns() // 1000,
-            batch.source,
+        try:
+            value = codec.encode(batch)
+        except codec.EncodeError as e:
+            raise MalformedEvent(f"a batch the wire cannot carry: {e}") from None
+        _, declined, tally, dead, seen = _core.apply_poll(
+            self.index.core, self.ranks.core, [value], 0, 1 << 62, time.time_ns() // 1000
         )
+        if declined:  # the core decodes everything the codec encodes: a bug, not bad input
+            raise RuntimeError(f"the core declined a record the codec wrote: {_core.decline_reason(value)}")
         self._account(tally)
-        v = VERDICTS[verdict] if verdict < len(VERDICTS) else Verdict.APPLY
-        if v is Verdict.APPLY or v is Verdict.RESET:
-            self.workers_by_partition[partition].add(w.worker)
-        if dead is not None:
-            if "IndexOverflow" in dead:
+        if seen:
+            self.workers_by_partition[partition].update(seen)
+        if dead:
+            why = dead[0][1]
+            if "IndexOverflow" in why:
                 raise IndexOverflow("reference count ceiling reached; the record was not applied")
-            raise MalformedEvent(dead)
-        return v
+            raise MalformedEvent(why.removeprefix("apply failed: MalformedEvent: "))
+        _, dups, stale, _, resets = tally[:5]
+        return (
+            Verdict.DUPLICATE if dups else Verdict.STALE_EPOCH if stale else Verdict.RESET if resets else Verdict.APPLY
+        )
 
     def _apply_model(self, batch: EventBatch, partition: int) -> Verdict:
         """The same contract over any index with ``PrefixIndex``'s write methods
@@ -191,7 +194,7 @@ class Applier:
         self.workers_by_partition[partition].add(rank.worker)
         if verdict is Verdict.RESET:
             self.index.clear(rank)
-        blocks = self.index.apply_batch(rank, batch.events)
+        blocks = self.index.apply_batch(rank, batch.events, atomic=True)
         self._account((0, 0, 0, batch.gap, int(verdict is Verdict.RESET), blocks, len(batch.events), None))
         if any(type(e) is AllBlocksCleared for e in batch.events):
             self.ranks.core.state_known(rank.instance_id, rank.dp_rank, rank.tp_rank)

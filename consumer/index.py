@@ -84,12 +84,12 @@ import numpy as np
 import xxhash
 
 from kvwire import _core
-from kvwire.schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, WorkerId
+from kvwire.schemas import codec
+from kvwire.schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
 
-from .keys import block_contexts, engine_keys, token_words
+from .keys import engine_keys, token_words
 
 DEFAULT_WEIGHTS = {GPU: 1.0, CPU: 0.8, STORAGE: 0.5}
-_KNOWN_MEDIA = {GPU, CPU, STORAGE}
 
 
 class MalformedEvent(ValueError):
@@ -140,51 +140,8 @@ class ScoreArrays(msgspec.Struct, frozen=True):
     by_tokens: np.ndarray  # int64
 
 
-def normalize_medium(medium: Any) -> str:
-    if medium is None:
-        return GPU
-    m = medium if isinstance(medium, str) else str(medium)
-    u = m.upper()
-    return u if u in _KNOWN_MEDIA else m
-
-
-_Event = tuple[Any, ...]
-
-
-def _event_tuple(ev: Any) -> _Event | None:
-    """An event as the core's ``apply`` reads it (None: not an index event)."""
-    tp = type(ev)
-    if tp is BlockStored:
-        ctx = None
-        if ev.extra_keys is not None and ev.block_size > 0 and len(ev.token_ids):
-            ctx = block_contexts(ev.block_size, ev.lora_name, ev.extra_keys, len(ev.block_hashes)).tobytes()
-        tokens = ev.token_ids
-        return (
-            0,
-            _medium_arg(ev.medium),
-            ev.group_idx,
-            ev.block_hashes,
-            tokens if not _BIG_ENDIAN else token_words(tokens),
-            ev.block_size,
-            ev.parent_block_hash,
-            ev.lora_name,
-            ctx,
-            ev.kv_cache_spec_kind,
-            ev.kv_cache_spec_sliding_window,
-        )
-    if tp is BlockRemoved:
-        return (1, _medium_arg(ev.medium), ev.group_idx, ev.block_hashes)
-    if tp is AllBlocksCleared:
-        return _CLEAR
-    return None
-
-
-def _medium_arg(medium: Any) -> str | None:
-    return medium if medium is None or isinstance(medium, str) else str(medium)
-
-
-_CLEAR = (2,)
-_BIG_ENDIAN = np.little_endian is False
+# What apply_batch indexes; any other event is ignored.
+_INDEX_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared)
 _EMPTY = np.zeros(0, np.uint32)
 
 
@@ -215,14 +172,18 @@ class PrefixIndex:
     def apply_batch(self, rank: WorkerId, events: Iterable[Any], atomic: bool = False) -> int:
         """Apply one rank's events in order (BlockStored, BlockRemoved,
         AllBlocksCleared; anything else is ignored). Returns the blocks the
-        store and remove events named. See the module docstring for errors."""
-        evs = [t for t in map(_event_tuple, events) if t is not None]
-        return self.apply_tuples(rank, evs, atomic)
+        store and remove events named. See the module docstring for errors.
 
-    def apply_tuples(self, rank: WorkerId, evs: list[_Event], atomic: bool = False) -> int:
-        status, blocks, _event, msg = self.core.apply(
-            rank.instance_id, rank.dp_rank, rank.tp_rank, rank.tp_size, evs, atomic
-        )
+        The events take the path of a record's bytes (encoded, then decoded
+        and applied by the core), so there is one implementation of what an
+        event does to the index. Events the wire cannot carry raise
+        MalformedEvent, nothing applied."""
+        evs = tuple(e for e in events if type(e) in _INDEX_EVENTS)
+        try:
+            value = codec.encode(EventBatch(rank, 0, 0, 0, evs))
+        except codec.EncodeError as e:
+            raise MalformedEvent(f"events the wire cannot carry: {e}") from None
+        status, blocks, msg = _core.apply_events(self.core, value, atomic)
         if status == 0:
             return int(blocks)
         if status == 1:
@@ -264,17 +225,15 @@ class PrefixIndex:
         self, token_ids: Any, lora_name: str | None, block_size: int | None, extra_keys: Sequence[Any] | None
     ) -> list[tuple[Any, ...]]:
         tok = _tokens(token_ids)
+        # Contexts are hashed in the core, from the values themselves; a list, read once per size.
+        extra_keys = None if extra_keys is None else list(extra_keys)
         sizes = (block_size,) if block_size else self.core.block_sizes()
         out = []
         for bs in sizes:
             n = tok.shape[0] // bs
             if n == 0:
                 continue
-            ctx = None
-            if extra_keys is not None:
-                c = block_contexts(bs, lora_name, extra_keys, n)
-                ctx = c.tobytes()
-            out.append(("t", tok, bs, ctx, lora_name))
+            out.append(("t", tok, bs, extra_keys, lora_name))
         return out
 
     def score_arrays(
@@ -531,5 +490,4 @@ __all__ = [
     "ScoreArrays",
     "WorkerScore",
     "WorkerStats",
-    "normalize_medium",
 ]

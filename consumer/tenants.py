@@ -5,7 +5,7 @@ vLLM 0.33 folds them into every block hash and publishes them, untagged, in each
 set), ``(mm identifier, offset)`` pairs, the ``cache_salt`` (first block only) and the
 prompt-embeds digest (``kv_cache_utils.generate_block_hash_extra_keys`` and
 ``to_event_extra_keys``). The index keys a block with its extra keys
-(``kvwire.consumer.keys.block_contexts``), so a query must name the same ones to match: a
+(``rust/src/keys.rs``, the same code for stored blocks and queries), so a query must name the same ones to match: a
 prompt under one salt never matches blocks stored under another, or under none.
 
 A query gives them in that same per-block form (JSON arrays stand for tuples: the key
@@ -74,7 +74,7 @@ def tenant_extra_keys(
     """Per-block extra keys of a query: the caller's, with ``cache_salt`` appended to block 0's.
 
     With a LoRA, block 0 gets the LoRA name in front unless it already starts with it: the
-    index drops one leading LoRA name from a block's keys (``keys.normalize_extra``), so a salt
+    index drops one leading LoRA name from a block's keys (``keys::normalized`` in the core), so a salt
     equal to the LoRA name must not be the one dropped."""
     if not cache_salt:
         return None if extra_keys is None else list(extra_keys)

@@ -165,10 +165,17 @@ class SchemaIds:
     def __init__(self) -> None:
         self._schemas: dict[int, SchemaVersion] = {}
         self._refused: dict[int, str] = {}
+        # id -> shipped version, for the core's fast decoder (it knows only the shipped versions)
+        self._shipped: dict[int, int] = {}
         self._lock = threading.Lock()
 
     def get(self, schema_id: int) -> SchemaVersion | None:
         return self._schemas.get(schema_id)
+
+    def shipped(self) -> dict[int, int]:
+        """{id: version} of the ids that name a schema kvwire ships: the Rust decoder reads
+        records of these ids itself; any other id's records take the reference decoder here."""
+        return self._shipped
 
     def refusal(self, schema_id: int) -> str | None:
         return self._refused.get(schema_id)
@@ -196,6 +203,8 @@ class SchemaIds:
             if old is not None and old.fingerprint != sv.fingerprint:
                 raise CodecError(f"schema id {schema_id} already names another schema: one cache per registry")
             self._schemas[schema_id] = sv
+            if sv.version:
+                self._shipped[schema_id] = sv.version
             self._refused.pop(schema_id, None)
         return sv
 
@@ -219,10 +228,11 @@ class SchemaIds:
         with self._lock:
             self._schemas.clear()
             self._refused.clear()
+            self._shipped.clear()
 
 
-# The process-wide cache codec.decode() uses by default (the Rust fast path falls back to
-# decode(value) without arguments, so the consumer's prefetch must land here).
+# The process-wide cache codec.decode() and the consumer's Applier use by default, so the
+# consumer's prefetch (kvwire.registry.resolver) lands here.
 SCHEMA_IDS = SchemaIds()
 
 # ---------------------------------------------------------------- hashes

@@ -3,8 +3,9 @@
 Plain dicts, no incremental counters: every answer is recomputed from the raw
 per-(rank, medium, group) engine-hash entries, so it is slow and obviously
 right. Block keys are chained here with the ``xxhash`` package, one call per
-block, independently of the Rust core's XXH3 chain (``kvwire._core``); only the seed
-definitions (context, orphan root, namespaces) are shared.
+block, and the Python reference of the key rules (``keys_oracle.py``), independently
+of the Rust core (``kvwire._core``). The medium names are the core's own rule
+(``_core.normalize_medium``): the oracle models the index, not how media are spelt.
 
 Semantics mirrored (see consumer/index.py's docstring): refcounted duplicate
 stores that keep their first key, unknown removals counted, TP aggregation
@@ -25,9 +26,10 @@ Written here as a search over every candidate L.
 from __future__ import annotations
 
 import xxhash
+from keys_oracle import ENGINE_NS, ROOT, block_context, context_seed, engine_hash_u64, orphan_root
 
-from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats, normalize_medium
-from kvwire.consumer.keys import ENGINE_NS, ROOT, canonical, context_seed, engine_hash_u64, normalize_extra, orphan_root
+from kvwire._core import normalize_medium
+from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats
 
 M64 = (1 << 64) - 1
 
@@ -37,8 +39,7 @@ def chain(tokens, bs: int, parent: int, lora_name=None, extra_keys=None, n: int 
     base = context_seed(bs, lora_name)
     keys, key = [], parent
     for i in range(n):
-        e = normalize_extra(extra_keys[i], lora_name) if extra_keys is not None and i < len(extra_keys) else None
-        ctx = base if e is None else xxhash.xxh3_64_intdigest(canonical(e), seed=base)
+        ctx = block_context(base, extra_keys[i], lora_name) if extra_keys is not None and i < len(extra_keys) else base
         data = b"".join(int(t).to_bytes(4, "little") for t in tokens[i * bs : (i + 1) * bs])
         key = xxhash.xxh3_64_intdigest(data, seed=(key ^ ctx) & M64)
         keys.append(key)
@@ -86,15 +87,22 @@ class Oracle:
         k = (normalize_medium(medium), 0 if group is None else int(group))
         return t.setdefault(k, {}), (w, rank.tp_rank) + k
 
+    @staticmethod
+    def _shape(ev) -> tuple[bool, bool]:
+        """(engine-hash mode, sparse) of a store; MalformedEvent when its tokens do not cover its blocks."""
+        n = len(ev.block_hashes)
+        engine = ev.block_size <= 0 or len(ev.token_ids) == 0
+        nt = len(ev.token_ids)
+        sparse = not engine and nt != ev.block_size * n and nt % ev.block_size == 0 and nt // ev.block_size > n
+        if n and not engine and nt != ev.block_size * n and not sparse:
+            raise MalformedEvent("token count")
+        return engine, sparse
+
     def store(self, rank, ev) -> None:
         n = len(ev.block_hashes)
         if n == 0:
             return
-        engine = ev.block_size <= 0 or len(ev.token_ids) == 0
-        nt = len(ev.token_ids)
-        sparse = not engine and nt != ev.block_size * n and nt % ev.block_size == 0 and nt // ev.block_size > n
-        if not engine and nt != ev.block_size * n and not sparse:
-            raise MalformedEvent("token count")
+        engine, sparse = self._shape(ev)
         if not engine:
             self.block_sizes.add(ev.block_size)
             gs = self.groups.setdefault(rank.worker, {})
@@ -138,10 +146,15 @@ class Oracle:
                     return e.key, e.orphan
         return orphan_root(peh), True
 
-    def apply_batch(self, rank, events) -> int:
-        """PrefixIndex.apply_batch's contract, one event at a time."""
+    def apply_batch(self, rank, events, atomic: bool = False) -> int:
+        """PrefixIndex.apply_batch's contract, one event at a time (with ``atomic``, a malformed
+        store anywhere applies nothing)."""
         from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored
 
+        if atomic:
+            for ev in events:
+                if isinstance(ev, BlockStored):
+                    self._shape(ev)
         blocks = 0
         for ev in events:
             if isinstance(ev, BlockStored):

@@ -1,5 +1,11 @@
-//! The fast decoder: Avro single-object framing, specialised by hand to every
-//! shipped writer version of `schemas/avro/event_batch.v*.avsc`.
+//! The fast decoder: both wire framings, specialised by hand to every shipped
+//! writer version of `schemas/avro/event_batch.v*.avsc`.
+//!
+//! A single-object record names its writer by fingerprint. A Confluent-framed
+//! one (`00` + a 4-byte big-endian registry id) names it by an id that only its
+//! registry can resolve: the caller resolves ids in Python (`codec.SchemaIds`)
+//! and says which shipped version an id stands for; an id it cannot name (not
+//! resolved, refused, or a schema kvwire does not ship) is declined.
 //!
 //! The contract with the reference decoder (`kvwire.schemas.codec.decode`,
 //! fastavro) is one-sided: for any bytes, `decode` either returns exactly the
@@ -20,6 +26,9 @@ use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Removed, Scalar, 
 pub const MAGIC: [u8; 2] = [0xC3, 0x01];
 /// Magic + the 8-byte CRC-64-AVRO fingerprint of the writer schema.
 pub const HEADER_SIZE: usize = 10;
+/// Confluent framing: `00` + the registry id of the writer schema, big-endian.
+pub const CONFLUENT_MAGIC: u8 = 0;
+pub const CONFLUENT_HEADER_SIZE: usize = 5;
 /// Same bound as `codec.MAX_RECORD_BYTES`.
 pub const MAX_RECORD_BYTES: usize = 64 * 1024 * 1024;
 
@@ -62,21 +71,44 @@ pub fn writer_version(value: &[u8]) -> Option<u32> {
     FINGERPRINTS.iter().find(|(_, f)| f == fp).map(|(v, _)| *v)
 }
 
-/// Decode one record's value, or decline it.
+/// The registry id a Confluent-framed value names (`codec.confluent_id`).
+pub fn confluent_id(value: &[u8]) -> Option<u32> {
+    match value {
+        [CONFLUENT_MAGIC, a, b, c, d, ..] => Some(u32::from_be_bytes([*a, *b, *c, *d])),
+        _ => None,
+    }
+}
+
+/// Decode one single-object record value, or decline it (a Confluent-framed
+/// one included: see `decode_framed`).
 pub fn decode(value: &[u8]) -> R<Record<'_>> {
+    decode_framed(value, |_| None)
+}
+
+/// Decode one record value in either framing, or decline it. `version_of`
+/// names the shipped writer version a Confluent registry id stands for.
+pub fn decode_framed(value: &[u8], version_of: impl FnOnce(u32) -> Option<u32>) -> R<Record<'_>> {
     if value.len() > MAX_RECORD_BYTES {
         return Err(Decline { reason: "record too large", at: 0 });
     }
-    if value.len() < HEADER_SIZE {
-        return Err(Decline { reason: "shorter than the header", at: 0 });
-    }
-    if value[..2] != MAGIC {
-        return Err(Decline { reason: "not single-object framing", at: 0 });
-    }
-    let Some(version) = writer_version(value) else {
-        return Err(Decline { reason: "unknown writer fingerprint", at: 2 });
+    let (version, start) = if let Some(id) = confluent_id(value) {
+        let Some(v) = version_of(id).filter(|v| FINGERPRINTS.iter().any(|(known, _)| known == v)) else {
+            return Err(Decline { reason: "registry id of no shipped writer version", at: 1 });
+        };
+        (v, CONFLUENT_HEADER_SIZE)
+    } else {
+        if value.len() < HEADER_SIZE {
+            return Err(Decline { reason: "shorter than the header", at: 0 });
+        }
+        if value[..2] != MAGIC {
+            return Err(Decline { reason: "not single-object framing", at: 0 });
+        }
+        let Some(v) = writer_version(value) else {
+            return Err(Decline { reason: "unknown writer fingerprint", at: 2 });
+        };
+        (v, HEADER_SIZE)
     };
-    let mut c = Cursor { buf: value, pos: HEADER_SIZE };
+    let mut c = Cursor { buf: value, pos: start };
     let rec = c.record(version)?;
     if c.pos != value.len() {
         return Err(c.decline("trailing bytes"));
@@ -531,7 +563,11 @@ mod tests {
     fn framing_other_than_known_single_object_declines() {
         assert_eq!(decode(b"").unwrap_err().reason, "shorter than the header");
         let confluent = [0u8, 0, 0, 0, 1, 2, 0, 0, 0, 0, 0, 0];
-        assert_eq!(decode(&confluent).unwrap_err().reason, "not single-object framing");
+        assert_eq!(decode(&confluent).unwrap_err().reason, "registry id of no shipped writer version");
+        assert_eq!(confluent_id(&confluent), Some(1));
+        let unshipped = decode_framed(&confluent, |_| Some(9)).unwrap_err();
+        assert_eq!(unshipped.reason, "registry id of no shipped writer version");
+        assert_eq!(decode(&[1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10]).unwrap_err().reason, "not single-object framing");
         let unknown = [0xc3, 0x01, 0, 0, 0, 0, 0, 0, 0, 0, 0];
         assert_eq!(decode(&unknown).unwrap_err().reason, "unknown writer fingerprint");
         for (v, fp) in FINGERPRINTS {
@@ -569,5 +605,14 @@ mod tests {
         let mut trailing = b.clone();
         trailing.push(0);
         assert_eq!(decode(&trailing).unwrap_err().reason, "trailing bytes");
+
+        // The same body behind a registry id that names version 2.
+        let mut cf = vec![CONFLUENT_MAGIC, 0, 0, 1, 7];
+        cf.extend_from_slice(&b[HEADER_SIZE..]);
+        assert_eq!(decode_framed(&cf, |id| (id == 263).then_some(2)).unwrap(), r);
+        assert!(decode(&cf).is_err());
+        for cut in 0..cf.len() {
+            assert!(decode_framed(&cf[..cut], |_| Some(2)).is_err(), "cut at {cut}");
+        }
     }
 }

@@ -1,14 +1,19 @@
-//! Block keys: the index's own chained XXH3-64 over token ids.
+//! Block keys: the index's own chained XXH3-64 over token ids, and every rule
+//! they rest on. This module is their one home: the hash roots, the context
+//! seed, the canonical encoding of extra keys and its normalisation, the chain.
+//! Python reaches them through `py_keys.rs`; nothing else hashes a block.
 //!
 //! A block's key is `xxh3_64(token bytes, seed = parent_key ^ ctx)`: the token
 //! bytes are the block's u32 token ids little-endian, `parent_key` is the
 //! previous block's key (`ROOT` for a sequence's first block) and `ctx` is
-//! `xxh3_64` of a canonical encoding of (block_size, lora_name, extra keys).
-//! These definitions are frozen: snapshots and digests hold keys, so any change
-//! here would silently make every stored index disagree with the live one.
-//! `kvwire/consumer/keys.py` documents the same rules and
-//! `tests/consumer/test_keys.py` checks this code bit for bit against the
-//! `xxhash` package and an independent Python chain.
+//! `xxh3_64` of a canonical encoding of (block_size, lora_name), further hashed
+//! with the block's extra keys when it has any. These definitions are frozen:
+//! snapshots and digests hold keys, so any change here would silently make
+//! every stored index disagree with the live one. `tests/consumer/test_keys.py`
+//! checks this code bit for bit against the `xxhash` package and an
+//! independent Python chain and encoding (`tests/keys_oracle.py`).
+
+use std::borrow::Cow;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -77,30 +82,136 @@ pub fn chain(token_le: &[u8], bs: usize, n: usize, parent: u64, ctx: Ctx<'_>, ou
     }
 }
 
-fn canon_str(s: &str, out: &mut Vec<u8>) {
-    out.extend_from_slice(format!("s{}:", s.len()).as_bytes());
-    out.extend_from_slice(s.as_bytes());
+/// One value of a block's extra keys, as the canonical encoding sees it. The
+/// record decoder's scalars and tuples and a query's Python values both become
+/// these, so stored blocks and queries share one encoding.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Key<'a> {
+    Null,
+    Bool(bool),
+    Int(i64),
+    /// An integer past 64 bits, as its decimal digits (only a query can name one).
+    BigInt(String),
+    Float(f64),
+    /// UTF-8 bytes (a Python string's lone surrogates passed through).
+    Str(Cow<'a, [u8]>),
+    Bytes(Cow<'a, [u8]>),
+    /// A tuple or list: the encoding treats them alike.
+    Seq(Vec<Key<'a>>),
+    /// Any other Python value, by its `repr` (never equal to a stored key's encoding).
+    Repr(String),
 }
 
-/// `keys.context_seed`: xxh3 of canonical(("kvwire-ctx/1", block_size, lora_name)).
-pub fn context_seed(block_size: i64, lora_name: Option<&str>) -> u64 {
-    let mut b = Vec::with_capacity(48);
-    b.extend_from_slice(b"t3:");
-    canon_str("kvwire-ctx/1", &mut b);
-    let s = block_size.to_string();
-    b.extend_from_slice(format!("i{}:", s.len()).as_bytes());
-    b.extend_from_slice(s.as_bytes());
-    match lora_name {
-        None => b.push(b'N'),
-        Some(l) => canon_str(l, &mut b),
+fn tagged(tag: u8, body: &[u8], out: &mut Vec<u8>) {
+    out.push(tag);
+    out.extend_from_slice(body.len().to_string().as_bytes());
+    out.push(b':');
+    out.extend_from_slice(body);
+}
+
+fn canon_seq(items: &[Key], out: &mut Vec<u8>) {
+    out.push(b't');
+    out.extend_from_slice(items.len().to_string().as_bytes());
+    out.push(b':');
+    for k in items {
+        canon(k, out);
     }
+}
+
+/// The type-tagged, length-prefixed encoding of a value: equal values give
+/// equal bytes and values of different types never do, with no dependence on a
+/// hash seed. Frozen with the keys.
+pub fn canon(k: &Key, out: &mut Vec<u8>) {
+    match k {
+        Key::Null => out.push(b'N'),
+        Key::Bool(true) => out.push(b'T'),
+        Key::Bool(false) => out.push(b'F'),
+        Key::Int(v) => tagged(b'i', v.to_string().as_bytes(), out),
+        Key::BigInt(digits) => tagged(b'i', digits.as_bytes(), out),
+        Key::Float(v) => tagged(b'f', float_hex(*v).as_bytes(), out),
+        Key::Str(s) => tagged(b's', s, out),
+        Key::Bytes(b) => tagged(b'b', b, out),
+        Key::Seq(items) => canon_seq(items, out),
+        Key::Repr(r) => tagged(b'r', r.as_bytes(), out),
+    }
+}
+
+/// A float as Python's `float.hex()` writes it: the encoding was defined by
+/// it, and it is exact (every bit of the value, no rounding).
+pub fn float_hex(x: f64) -> String {
+    if x.is_nan() {
+        return "nan".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    let sign = if x.is_sign_negative() { "-" } else { "" };
+    if x == 0.0 {
+        return format!("{sign}0x0.0p+0");
+    }
+    let bits = x.to_bits();
+    let biased = ((bits >> 52) & 0x7ff) as i32;
+    let mantissa = bits & ((1u64 << 52) - 1);
+    // Subnormals keep the smallest normal exponent behind a leading 0, as CPython prints them.
+    let (lead, exp) = if biased == 0 { (0, -1022) } else { (1, biased - 1023) };
+    let esign = if exp < 0 { '-' } else { '+' };
+    format!("{sign}0x{lead}.{mantissa:013x}p{esign}{}", exp.abs())
+}
+
+/// `canonical(("kvwire-ctx/1", block_size, lora_name))` hashed: the part of every
+/// block's seed that a whole sequence shares.
+pub fn context_seed(block_size: i64, lora_name: Option<&str>) -> u64 {
+    let lora = match lora_name {
+        None => Key::Null,
+        Some(l) => Key::Str(Cow::Borrowed(l.as_bytes())),
+    };
+    let mut b = Vec::with_capacity(48);
+    canon_seq(&[Key::Str(Cow::Borrowed(b"kvwire-ctx/1")), Key::Int(block_size), lora], &mut b);
     xxh3(&b, 0)
+}
+
+/// One block's extra keys as the key encodes them: a bare value stands for a
+/// one-tuple, and vLLM's leading LoRA name (it puts the name first in every
+/// block's keys while also sending `lora_name`) is dropped, so that a query
+/// that knows only `lora_name` gets the same key. None: no extra keys.
+pub fn normalized<'k, 'a>(keys: &'k Key<'a>, lora: Option<&str>) -> Option<&'k [Key<'a>]> {
+    let mut items: &[Key] = match keys {
+        Key::Seq(v) => v,
+        one => std::slice::from_ref(one),
+    };
+    if let (Some(l), Some(Key::Str(first))) = (lora, items.first()) {
+        if first.as_ref() == l.as_bytes() {
+            items = &items[1..];
+        }
+    }
+    (!items.is_empty()).then_some(items)
+}
+
+/// Per-block contexts of `n` blocks under the shared seed `base`, `blocks[i]`
+/// being block i's extra keys (blocks past `n` are ignored, missing ones have
+/// none). None when no block has extra keys: every block's context is `base`.
+pub fn block_contexts(blocks: &[Option<Key>], lora: Option<&str>, base: u64, n: usize) -> Option<Vec<u64>> {
+    let mut out: Option<Vec<u64>> = None;
+    let mut buf = Vec::new();
+    for (i, b) in blocks.iter().take(n).enumerate() {
+        let Some(items) = b.as_ref().and_then(|k| normalized(k, lora)) else { continue };
+        buf.clear();
+        canon_seq(items, &mut buf);
+        out.get_or_insert_with(|| vec![base; n])[i] = xxh3(&buf, base);
+    }
+    out
 }
 
 /// Root for blocks whose parent is unknown, derived from the parent's engine
 /// hash so siblings under one unknown parent still chain together.
 pub fn orphan_root(parent_hash: u64) -> u64 {
     xxh3(&parent_hash.to_le_bytes(), ORPHAN_ROOT)
+}
+
+/// A digest engine hash (bytes, not an int) as the u64 the index stores.
+#[inline]
+pub fn digest_hash(digest: &[u8]) -> u64 {
+    xxh3(digest, 0)
 }
 
 /// Engine-hash mode key.
@@ -147,6 +258,38 @@ mod tests {
         let mut tail = vec![];
         chain(&toks[128..], 16, 2, all[1], Ctx::One(context_seed(16, None)), &mut tail);
         assert_eq!(&all[2..], &tail[..]);
+    }
+
+    #[test]
+    fn floats_are_written_as_python_float_hex() {
+        // (x).hex() in CPython
+        for (x, hex) in [
+            (2.5, "0x1.4000000000000p+1"),
+            (1.0, "0x1.0000000000000p+0"),
+            (-0.1, "-0x1.999999999999ap-4"),
+            (0.0, "0x0.0p+0"),
+            (-0.0, "-0x0.0p+0"),
+            (5e-324, "0x0.0000000000001p-1022"),
+            (f64::MAX, "0x1.fffffffffffffp+1023"),
+            (f64::INFINITY, "inf"),
+            (f64::NEG_INFINITY, "-inf"),
+            (f64::NAN, "nan"),
+        ] {
+            assert_eq!(float_hex(x), hex, "{x}");
+        }
+    }
+
+    #[test]
+    fn extra_keys_normalise_as_vllm_sends_them() {
+        let s = |v: &'static str| Key::Str(Cow::Borrowed(v.as_bytes()));
+        let base = context_seed(16, Some("ad"));
+        let lora_only = [Some(Key::Seq(vec![s("ad")])), None];
+        assert_eq!(block_contexts(&lora_only, Some("ad"), base, 2), None);
+        let bare = [Some(s("img")), None];
+        let tuple = [Some(Key::Seq(vec![s("ad"), s("img")]))];
+        let a = block_contexts(&bare, Some("ad"), base, 3).unwrap();
+        assert_eq!(a, block_contexts(&tuple, Some("ad"), base, 3).unwrap());
+        assert_eq!((a[0], a[1], a[2]), (xxh3(b"t1:s3:img", base), base, base));
     }
 
     #[test]

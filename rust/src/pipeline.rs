@@ -5,11 +5,14 @@
 //! (`decode.rs`) decodes each, `Fence::admit` fences it, and the index applies
 //! it whole or not at all. It stops early, returning where it stopped:
 //!
-//! - at a record the fast decoder declines (or one whose extra keys it cannot
-//!   encode canonically): Python decodes that one with fastavro
-//!   (`codec.decode`, the reference) and either dead-letters it or applies it
-//!   through `apply_decoded`, then calls `apply_poll` again for the rest, so
-//!   records keep their log order;
+//! - at a record the fast decoder declines: Python decodes that one with
+//!   fastavro (`codec.decode`, the reference, which also resolves a writer
+//!   schema kvwire does not ship) and either dead-letters it with the
+//!   reference's reason or hands it back re-encoded in the current version,
+//!   which this path then applies; then it calls `apply_poll` again for the
+//!   rest, so records keep their log order. Every record that reaches the
+//!   index comes through here: the malformed-store rule, the context hashing
+//!   and the medium names have no other implementation;
 //! - when its time budget is spent: the ingest loop yields to the event loop
 //!   (heartbeats, HTTP readers) and calls again. This is how readers stay
 //!   consistent: the GIL is held for the whole call, each record is applied
@@ -19,14 +22,17 @@
 //! Counters come back once per call, so metrics are updated once per slice of
 //! a poll, not once per record.
 
+use std::borrow::Cow;
+
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict};
 use crate::index::{ApplyError, Ev, Index, RankId};
-use crate::keys::{self};
-use crate::py_index::{borrow_events, owned_event, wait_borrow, PyIndex};
+use crate::keys::{self, Key};
+use crate::py_index::{wait_borrow, PyIndex};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// Why a record was dead-lettered after its bytes decoded.
@@ -108,7 +114,7 @@ fn apply_one(ix: &mut Index, fence: &mut Fence, s: &Stamp, evs: &mut Vec<Ev>, t:
 
 fn hash_u64(kind: HashKind, b: &[u8]) -> u64 {
     match kind {
-        HashKind::Digest => keys::xxh3(b, 0),
+        HashKind::Digest => keys::digest_hash(b),
         _ => u64::from_le_bytes(b.try_into().expect("width 8")),
     }
 }
@@ -117,85 +123,37 @@ fn hashes(h: &Hashes) -> Vec<u64> {
     h.iter().map(|b| hash_u64(h.kind, b)).collect()
 }
 
-fn canon_scalar(s: &Scalar, out: &mut Vec<u8>) -> bool {
-    match s {
-        Scalar::Null => out.push(b'N'),
-        Scalar::Bool(true) => out.push(b'T'),
-        Scalar::Bool(false) => out.push(b'F'),
-        Scalar::Long(v) => {
-            let t = v.to_string();
-            out.extend_from_slice(format!("i{}:{}", t.len(), t).as_bytes());
-        }
-        Scalar::Str(v) => {
-            out.extend_from_slice(format!("s{}:", v.len()).as_bytes());
-            out.extend_from_slice(v.as_bytes());
-        }
-        Scalar::Bytes(v) => {
-            out.extend_from_slice(format!("b{}:", v.len()).as_bytes());
-            out.extend_from_slice(v);
-        }
-        // float.hex() is Python's own format: left to the reference path.
-        Scalar::Double(_) => return false,
+fn scalar_key<'a>(s: &Scalar<'a>) -> Key<'a> {
+    match *s {
+        Scalar::Null => Key::Null,
+        Scalar::Bool(b) => Key::Bool(b),
+        Scalar::Long(v) => Key::Int(v),
+        Scalar::Double(v) => Key::Float(v),
+        Scalar::Str(v) => Key::Str(Cow::Borrowed(v.as_bytes())),
+        Scalar::Bytes(v) => Key::Bytes(Cow::Borrowed(v)),
     }
-    true
 }
 
-/// `keys.block_contexts` for a decoded record: None when no block has extra
-/// keys, Err(()) when a key cannot be encoded here (the record goes to Python).
-fn block_contexts(
-    extra: &[Option<Vec<ExtraKey>>],
-    lora: Option<&str>,
-    base: u64,
-    n: usize,
-) -> Result<Option<Vec<u64>>, ()> {
-    let mut out = vec![base; n];
-    let mut any = false;
-    let mut buf = Vec::new();
-    for (i, e) in extra.iter().take(n).enumerate() {
-        let Some(keys) = e else { continue };
-        let mut ks: &[ExtraKey] = keys;
-        // vLLM puts the LoRA name first in every block's extra keys while also sending lora_name.
-        if let (Some(l), Some(ExtraKey::Scalar(Scalar::Str(first)))) = (lora, ks.first()) {
-            if *first == l {
-                ks = &ks[1..];
-            }
-        }
-        if ks.is_empty() {
-            continue;
-        }
-        buf.clear();
-        buf.extend_from_slice(format!("t{}:", ks.len()).as_bytes());
-        for k in ks {
-            match k {
-                ExtraKey::Scalar(s) => {
-                    if !canon_scalar(s, &mut buf) {
-                        return Err(());
-                    }
-                }
-                ExtraKey::Tuple(v) => {
-                    buf.extend_from_slice(format!("t{}:", v.len()).as_bytes());
-                    for s in v {
-                        if !canon_scalar(s, &mut buf) {
-                            return Err(());
-                        }
-                    }
-                }
-            }
-        }
-        out[i] = keys::xxh3(&buf, base);
-        any = true;
-    }
-    Ok(if any { Some(out) } else { None })
+/// A decoded block's extra keys as the key encoding reads them.
+fn block_key<'a>(keys: &[ExtraKey<'a>]) -> Key<'a> {
+    Key::Seq(
+        keys.iter()
+            .map(|k| match k {
+                ExtraKey::Scalar(s) => scalar_key(s),
+                ExtraKey::Tuple(v) => Key::Seq(v.iter().map(scalar_key).collect()),
+            })
+            .collect(),
+    )
 }
 
-/// A decoded record's events as the index reads them; Err(()) = decline.
+/// What a decoded record's events need beyond its bytes: hashes as u64, per-block contexts.
 struct Owned {
     ehs: Vec<Vec<u64>>,
     parents: Vec<Option<u64>>,
     ctx: Vec<Option<Vec<u64>>>,
 }
 
-fn own(rec: &Record, ix: &mut Index) -> Result<Owned, ()> {
+fn own(rec: &Record, ix: &mut Index) -> Owned {
     let mut o = Owned { ehs: vec![], parents: vec![], ctx: vec![] };
     for e in &rec.events {
         match e {
@@ -207,7 +165,8 @@ fn own(rec: &Record, ix: &mut Index) -> Result<Owned, ()> {
                 o.ctx.push(match (&s.extra_keys, token_mode) {
                     (Some(x), true) => {
                         let base = ix.context(s.block_size as i64, s.lora_name);
-                        block_contexts(x, s.lora_name, base, n)?
+                        let blocks: Vec<Option<Key>> = x.iter().take(n).map(|b| b.as_deref().map(block_key)).collect();
+                        keys::block_contexts(&blocks, s.lora_name, base, n)
                     }
                     _ => None,
                 });
@@ -224,7 +183,7 @@ fn own(rec: &Record, ix: &mut Index) -> Result<Owned, ()> {
             }
         }
     }
-    Ok(o)
+    o
 }
 
 fn events<'a>(rec: &'a Record, o: &'a Owned) -> Vec<Ev<'a>> {
@@ -276,14 +235,20 @@ fn tally_tuple<'py>(py: Python<'py>, t: &Tally) -> PyResult<Bound<'py, PyTuple>>
     (t.records, t.duplicates, t.stale, t.gaps, t.resets, t.blocks, t.events, t.max_lag_us).into_pyobject(py)
 }
 
+/// The shipped writer version a registry id stands for, from `codec.SchemaIds.shipped()`.
+fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
+    schema_ids?.get_item(id).ok()??.extract().ok()
+}
+
 /// Decode, fence and apply `records[start:]` (bytes values, or objects with a
-/// `.value`) until one is declined or `budget_us` is spent. Returns
+/// `.value`) until one is declined or `budget_us` is spent. `schema_ids`:
+/// {registry id: shipped writer version} for Confluent-framed values. Returns
 /// (next index, declined: bool, tally, dead letters [(index, reason)],
 /// workers seen [(instance_id, dp_rank)]). With `declined`, `records[next]`
 /// is the declined one (not consumed).
 #[pyfunction]
-#[pyo3(signature = (index, fence, records, start, budget_us, now_us))]
-#[allow(clippy::type_complexity)]
+#[pyo3(signature = (index, fence, records, start, budget_us, now_us, schema_ids=None))]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn apply_poll<'py>(
     py: Python<'py>,
     index: &Bound<'py, PyIndex>,
@@ -292,6 +257,7 @@ pub fn apply_poll<'py>(
     start: usize,
     budget_us: u64,
     now_us: i64,
+    schema_ids: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<(usize, bool, Bound<'py, PyTuple>, Vec<(usize, String)>, Vec<(String, i64)>)> {
     let mut ixg = index.borrow_mut();
     let mut fg = fence.borrow_mut();
@@ -310,12 +276,10 @@ pub fn apply_poll<'py>(
         let Ok(b) = value.cast::<PyBytes>() else {
             return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
         };
-        let Ok(rec) = decode::decode(b.as_bytes()) else {
+        let Ok(rec) = decode::decode_framed(b.as_bytes(), |id| version_of(schema_ids, id)) else {
             return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
         };
-        let Ok(o) = own(&rec, ix) else {
-            return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
-        };
+        let o = own(&rec, ix);
         let mut evs = events(&rec, &o);
         let s = stamp(&rec);
         match apply_one(ix, f, &s, &mut evs, &mut t, now_us) {
@@ -341,52 +305,26 @@ pub fn apply_poll<'py>(
     Ok((i, false, tally_tuple(py, &t)?, dead, seen))
 }
 
-/// The second entry point: fence and apply one record Python decoded (one
-/// the fast path declined). `events` are `PrefixIndex`'s event tuples.
-/// Returns (verdict, tally, dead-letter reason or None).
+/// Apply one record's events to its rank without the fence (`PrefixIndex.apply_batch`, which
+/// encodes the events it is given). With `atomic`, a malformed event applies nothing.
+/// Returns (status, blocks, message): 0 applied, 1 malformed event, 2 count ceiling
+/// (nothing applied). Raises ValueError for bytes the fast decoder declines.
 #[pyfunction]
-#[pyo3(signature = (index, fence, worker, stamp, events, now_us, source=""))]
-#[allow(clippy::too_many_arguments)]
-pub fn apply_decoded<'py>(
-    py: Python<'py>,
-    index: &Bound<'py, PyIndex>,
-    fence: &Bound<'py, PyFence>,
-    worker: (String, i64, i64, i64),
-    stamp: (i64, i64, i64, bool, i64),
-    events: &Bound<'py, PyList>,
-    now_us: i64,
-    source: &str,
-) -> PyResult<(u8, Bound<'py, PyTuple>, Option<String>)> {
-    let mut owned = Vec::with_capacity(events.len());
-    for e in events.iter() {
-        owned.push(owned_event(e.cast::<PyTuple>()?)?);
-    }
-    let mut evs = borrow_events(&owned);
-    let (inst, dp, tp_rank, tp_size) = &worker;
-    let (epoch, seq, ts_us, reset, gap) = stamp;
-    let approximate = is_approximate(source);
-    let s = Stamp { inst, dp: *dp, tp_rank: *tp_rank, tp_size: *tp_size, epoch, seq, ts_us, reset, gap, approximate };
+pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(u8, u64, String)> {
+    let rec =
+        decode::decode(value).map_err(|d| PyValueError::new_err(format!("not a record the core decodes: {d}")))?;
     let mut ixg = index.borrow_mut();
-    let mut fg = fence.borrow_mut();
-    let mut t = Tally::default();
-    let before = t.records;
-    let r = apply_one(&mut ixg.ix, &mut fg.fence, &s, &mut evs, &mut t, now_us);
-    let verdict = if t.records == before {
-        255
-    } else if t.duplicates > 0 {
-        Verdict::Duplicate as u8
-    } else if t.stale > 0 {
-        Verdict::StaleEpoch as u8
-    } else if t.resets > 0 {
-        Verdict::Reset as u8
-    } else {
-        Verdict::Apply as u8
-    };
-    let dead = match r {
-        Applied::Dead(w) => Some(w),
-        _ => None,
-    };
-    Ok((verdict, tally_tuple(py, &t)?, dead))
+    let ix = &mut ixg.ix;
+    let o = own(&rec, ix);
+    let evs = events(&rec, &o);
+    let w = &rec.worker;
+    let rank =
+        RankId { inst: w.instance_id, dp: w.dp_rank.into(), tp_rank: w.tp_rank.into(), tp_size: w.tp_size.into() };
+    Ok(match ix.apply(&rank, &evs, atomic) {
+        Ok(n) => (0, n, String::new()),
+        Err(ApplyError::Malformed(_, m)) => (1, 0, m),
+        Err(ApplyError::Overflow) => (2, 0, String::new()),
+    })
 }
 
 type RankRow = (String, i64, i64, i64, i64, bool, String, i64, Vec<i64>, i64, i64, bool);
@@ -545,7 +483,7 @@ pub fn score_trusted<'py>(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFence>()?;
     m.add_function(wrap_pyfunction!(apply_poll, m)?)?;
-    m.add_function(wrap_pyfunction!(apply_decoded, m)?)?;
+    m.add_function(wrap_pyfunction!(apply_events, m)?)?;
     m.add_function(wrap_pyfunction!(score_trusted, m)?)?;
     Ok(())
 }

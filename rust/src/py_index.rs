@@ -13,7 +13,7 @@ use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use crate::index::{ApplyError, Ev, Index, Query, RankId, Scores};
+use crate::index::{Index, Query, RankId, Scores};
 use crate::keys::{self, Ctx};
 
 /// A contiguous buffer's bytes, held for as long as this lives.
@@ -52,119 +52,9 @@ pub fn words_u64(b: &[u8]) -> Vec<u64> {
     b.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().unwrap())).collect()
 }
 
-fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) -> Bound<'py, PyBytes> {
+pub(crate) fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) -> Bound<'py, PyBytes> {
     let b: Vec<u8> = v.into_iter().flat_map(|x| x.to_le_bytes()).collect();
     PyBytes::new(py, &b)
-}
-
-/// An engine hash as the u64 the index stores: ints modulo 2^64 (negative
-/// LMCache ones too), digests through xxh3 (`keys.engine_hash_u64`).
-pub fn engine_hash(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
-    if let Ok(v) = obj.extract::<u64>() {
-        return Ok(v);
-    }
-    if let Ok(v) = obj.extract::<i64>() {
-        return Ok(v as u64);
-    }
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        return Ok(keys::xxh3(b.as_bytes(), 0));
-    }
-    if obj.is_instance_of::<pyo3::types::PyInt>() {
-        let masked = obj.call_method1("__and__", (u64::MAX,))?;
-        return masked.extract::<u64>();
-    }
-    let b = RawBuf::get(obj)?;
-    Ok(keys::xxh3(b.bytes(), 0))
-}
-
-fn hashes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    if let Ok(t) = obj.cast::<PyTuple>() {
-        let mut v = Vec::with_capacity(t.len());
-        for x in t.iter() {
-            v.push(engine_hash(&x)?);
-        }
-        return Ok(v);
-    }
-    let mut v = vec![];
-    for x in obj.try_iter()? {
-        v.push(engine_hash(&x?)?);
-    }
-    Ok(v)
-}
-
-pub(crate) struct OwnedEv {
-    kind: u8,
-    medium: Option<String>,
-    group: i64,
-    ehs: Vec<u64>,
-    tokens: Option<RawBuf>,
-    bs: i64,
-    parent: Option<u64>,
-    lora: Option<String>,
-    blk_ctx: Option<Vec<u64>>,
-    spec_kind: Option<String>,
-    window: Option<i64>,
-}
-
-pub(crate) fn owned_event(t: &Bound<'_, PyTuple>) -> PyResult<OwnedEv> {
-    let kind: u8 = t.get_item(0)?.extract()?;
-    let mut ev = OwnedEv {
-        kind,
-        medium: None,
-        group: 0,
-        ehs: vec![],
-        tokens: None,
-        bs: 0,
-        parent: None,
-        lora: None,
-        blk_ctx: None,
-        spec_kind: None,
-        window: None,
-    };
-    if kind == 2 {
-        return Ok(ev);
-    }
-    ev.medium = t.get_item(1)?.extract()?;
-    ev.group = t.get_item(2)?.extract::<Option<i64>>()?.unwrap_or(0);
-    ev.ehs = hashes(&t.get_item(3)?)?;
-    if kind == 0 {
-        ev.tokens = Some(RawBuf::get(&t.get_item(4)?)?);
-        ev.bs = t.get_item(5)?.extract()?;
-        let p = t.get_item(6)?;
-        ev.parent = if p.is_none() { None } else { Some(engine_hash(&p)?) };
-        ev.lora = t.get_item(7)?.extract()?;
-        let c = t.get_item(8)?;
-        if !c.is_none() {
-            ev.blk_ctx = Some(words_u64(RawBuf::get(&c)?.bytes()));
-        }
-        if t.len() > 10 {
-            ev.spec_kind = t.get_item(9)?.extract()?;
-            ev.window = t.get_item(10)?.extract()?;
-        }
-    }
-    Ok(ev)
-}
-
-pub(crate) fn borrow_events(owned: &[OwnedEv]) -> Vec<Ev<'_>> {
-    owned
-        .iter()
-        .map(|e| match e.kind {
-            0 => Ev::Store {
-                medium: e.medium.as_deref(),
-                group: e.group,
-                ehs: &e.ehs,
-                tokens: e.tokens.as_ref().map(|b| b.bytes()).unwrap_or(&[]),
-                bs: e.bs,
-                parent: e.parent,
-                lora: e.lora.as_deref(),
-                blk_ctx: e.blk_ctx.as_deref(),
-                kind: e.spec_kind.as_deref(),
-                window: e.window,
-            },
-            1 => Ev::Remove { medium: e.medium.as_deref(), group: e.group, ehs: &e.ehs },
-            _ => Ev::Clear,
-        })
-        .collect()
 }
 
 /// The index, shared between its writers and scores that run without the GIL.
@@ -410,30 +300,6 @@ impl PyIndex {
         PyIndex { ix: Shared::new(ix), weights, default_weight }
     }
 
-    /// Apply one rank's events: (status, blocks, event, message) with status
-    /// 0 applied, 1 malformed event (`event`), 2 count ceiling (nothing applied).
-    fn apply(
-        &mut self,
-        inst: &str,
-        dp: i64,
-        tp_rank: i64,
-        tp_size: i64,
-        events: &Bound<'_, PyList>,
-        atomic: bool,
-    ) -> PyResult<(u8, u64, i64, String)> {
-        let mut owned = Vec::with_capacity(events.len());
-        for e in events.iter() {
-            owned.push(owned_event(e.cast::<PyTuple>()?)?);
-        }
-        let evs = borrow_events(&owned);
-        let rank = RankId { inst, dp, tp_rank, tp_size };
-        Ok(match self.ix.apply(&rank, &evs, atomic) {
-            Ok(n) => (0, n, -1, String::new()),
-            Err(ApplyError::Malformed(e, m)) => (1, 0, e as i64, m),
-            Err(ApplyError::Overflow) => (2, 0, -1, String::new()),
-        })
-    }
-
     fn clear(&mut self, inst: &str, dp: i64, tp_rank: i64) {
         self.ix.clear_rank(inst, dp, tp_rank, false);
     }
@@ -446,7 +312,7 @@ impl PyIndex {
         self.ix.drop_worker(inst, dp);
     }
 
-    /// Score queries, each ("t", tokens buffer, block_size, ctx bytes | None, lora)
+    /// Score queries, each ("t", tokens buffer, block_size, extra keys | None, lora)
     /// or ("k", keys bytes, tokens per key); returns `scores_tuple` arrays,
     /// or the JSON list when `as_json`. The walk runs without the GIL (see `Shared`).
     /// `approximate`: workers whose JSON entries are marked approximate.
@@ -464,38 +330,41 @@ impl PyIndex {
         approximate: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let mut bufs = vec![];
-        let mut ctxs: Vec<Option<Vec<u64>>> = vec![];
+        // Per query: the precomputed keys ("k") or the per-block contexts ("t"), None
+        // when every block's context is the sequence's.
+        let mut words: Vec<Option<Vec<u64>>> = vec![];
         let mut meta = vec![];
         for q in queries.iter() {
             let t = q.cast::<PyTuple>()?;
             let kind: String = t.get_item(0)?.extract()?;
-            bufs.push(RawBuf::get(&t.get_item(1)?)?);
+            let buf = RawBuf::get(&t.get_item(1)?)?;
             let n: i64 = t.get_item(2)?.extract()?;
             if kind == "t" {
-                let c = t.get_item(3)?;
-                ctxs.push(if c.is_none() { None } else { Some(words_u64(RawBuf::get(&c)?.bytes())) });
                 let lora: Option<String> = t.get_item(4)?.extract()?;
-                meta.push((true, n, lora));
+                let base = keys::context_seed(n, lora.as_deref());
+                let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
+                let extra = t.get_item(3)?;
+                words.push(crate::py_keys::contexts(&extra, lora.as_deref(), base, blocks)?);
+                meta.push((true, n, base));
             } else {
-                let k = words_u64(bufs.last().unwrap().bytes());
-                ctxs.push(Some(k));
-                meta.push((false, n, None));
+                words.push(Some(words_u64(buf.bytes())));
+                meta.push((false, n, 0));
             }
+            bufs.push(buf);
         }
         let mut qs = vec![];
-        for (i, (tok, n, lora)) in meta.iter().enumerate() {
-            if *tok {
-                if *n <= 0 {
+        for (i, &(tok, n, base)) in meta.iter().enumerate() {
+            if tok {
+                if n <= 0 {
                     continue;
                 }
-                let ctx = match &ctxs[i] {
-                    Some(c) if c.len() > 1 => Ctx::PerBlock(c),
-                    Some(c) => Ctx::One(c[0]),
-                    None => Ctx::One(keys::context_seed(*n, lora.as_deref())),
+                let ctx = match &words[i] {
+                    Some(c) => Ctx::PerBlock(c),
+                    None => Ctx::One(base),
                 };
-                qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: *n as usize, ctx });
+                qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: n as usize, ctx });
             } else {
-                qs.push(Query::Keys { keys: ctxs[i].as_ref().unwrap(), scale: *n });
+                qs.push(Query::Keys { keys: words[i].as_deref().unwrap_or(&[]), scale: n });
             }
         }
         // Weights, mask and the reader registration in one GIL-held step: they see the
@@ -722,47 +591,7 @@ impl PyIndex {
     }
 }
 
-// ------------------------------------------------------------------ keys
-
-/// XXH3-64 of a buffer's bytes.
-#[pyfunction]
-#[pyo3(signature = (data, seed=0))]
-fn xxh3_64(data: &Bound<'_, PyAny>, seed: u64) -> PyResult<u64> {
-    Ok(keys::xxh3(RawBuf::get(data)?.bytes(), seed))
-}
-
-/// Keys of `n` blocks of `bs` tokens (a u32 buffer) chained from `parent`;
-/// `ctx` is u64 bytes: one context for every block, or one per block.
-#[pyfunction]
-fn chain_keys<'py>(
-    py: Python<'py>,
-    tokens: &Bound<'py, PyAny>,
-    bs: usize,
-    n: usize,
-    parent: u64,
-    ctx: &Bound<'py, PyAny>,
-) -> PyResult<Bound<'py, PyBytes>> {
-    let t = RawBuf::get(tokens)?;
-    let c = words_u64(RawBuf::get(ctx)?.bytes());
-    if c.is_empty() || (c.len() > 1 && c.len() < n) || t.bytes().len() < n * bs * 4 || bs == 0 {
-        return Err(PyValueError::new_err("chain_keys: short tokens or contexts"));
-    }
-    let ctx = if c.len() > 1 { Ctx::PerBlock(&c) } else { Ctx::One(c[0]) };
-    let mut out = Vec::with_capacity(n);
-    keys::chain(t.bytes(), bs, n, parent, ctx, &mut out);
-    Ok(u64_bytes(py, out))
-}
-
-#[pyfunction]
-#[pyo3(signature = (block_size, lora_name=None))]
-fn context_seed(block_size: i64, lora_name: Option<&str>) -> u64 {
-    keys::context_seed(block_size, lora_name)
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
-    m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
-    m.add_function(wrap_pyfunction!(chain_keys, m)?)?;
-    m.add_function(wrap_pyfunction!(context_seed, m)?)?;
     Ok(())
 }

@@ -1,16 +1,20 @@
-"""Block keys: bit-exact XXH3, chaining, and what changes a key."""
+"""Block keys: bit-exact XXH3, chaining, what changes a key, and the core held bit for bit to the
+Python reference of its rules (``tests/keys_oracle.py``)."""
 
 from __future__ import annotations
 
 import random
 from array import array
 
+import keys_oracle
 import numpy as np
 import pytest
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvwire import _core
+from kvwire.consumer.index import PrefixIndex
 from kvwire.consumer.keys import (
     ROOT,
     block_keys,
@@ -21,7 +25,7 @@ from kvwire.consumer.keys import (
     prompt_keys,
     xxh3_64,
 )
-from kvwire.schemas.events import stored
+from kvwire.schemas.events import WorkerId, stored
 
 
 @pytest.mark.parametrize("nbytes", list(range(0, 260, 4)) + [512, 1020, 1024, 1028, 2048, 4096, 5000])
@@ -124,3 +128,103 @@ def test_prompt_keys_equal_a_python_chain(toks, bs):
     from oracle import chain
 
     assert prompt_keys(toks, bs).tolist() == chain(toks, bs, ROOT)
+
+
+# ---------------------------------------------------------------- the core against the reference
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True)
+    | st.text(max_size=6)
+    | st.binary(max_size=6)
+)
+_values = st.recursive(_scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner), max_leaves=8)
+
+
+class _Odd:
+    def __repr__(self) -> str:
+        return "odd<1>"
+
+
+@settings(max_examples=300, deadline=None)
+@given(_values)
+def test_canonical_encoding_is_the_references(v):
+    assert _core.canonical(v) == keys_oracle.canonical(v)
+
+
+def test_canonical_encoding_of_what_json_and_vllm_cannot_carry():
+    for v in ["\udcff", bytearray(b"ab"), memoryview(b"cd"), {"a": 1}, _Odd(), 2**64, -(2**63) - 1, 5e-324, -0.0]:
+        assert _core.canonical(v) == keys_oracle.canonical(v), v
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.none() | _values, max_size=6),
+    st.sampled_from([None, "ad", ""]),
+    st.integers(0, 8),
+    st.sampled_from([1, 16]),
+)
+def test_block_contexts_are_the_references(extra, lora, nblocks, bs):
+    if lora and extra and extra[0] is not None:
+        extra[0] = (lora, *extra[0]) if isinstance(extra[0], (tuple, list)) else (lora, extra[0])
+    got = np.frombuffer(_core.block_contexts(bs, lora, extra, nblocks), np.uint64).tolist()
+    assert got == keys_oracle.block_contexts(bs, lora, extra, nblocks)
+
+
+def test_roots_and_seeds_are_the_references():
+    assert (_core.ROOT, _core.ORPHAN_ROOT, _core.ENGINE_NS) == (
+        keys_oracle.ROOT,
+        keys_oracle.ORPHAN_ROOT,
+        keys_oracle.ENGINE_NS,
+    )
+    for bs, lora in [(16, None), (1, "ad"), (-1, "é"), (2**40, "")]:
+        assert _core.context_seed(bs, lora) == keys_oracle.context_seed(bs, lora)
+    for h in (0, 5, -1, 2**64 - 1, 2**70 + 3, b"\x01" * 32):
+        assert engine_hash_u64(h) == keys_oracle.engine_hash_u64(h)
+        if isinstance(h, int):
+            assert orphan_root(h) == keys_oracle.orphan_root(h)
+
+
+# ---------------------------------------------------------------- bad input raises, never panics
+
+
+def test_chain_keys_refuses_contexts_that_do_not_cover_the_blocks():
+    tok = np.arange(64, dtype=np.uint32)
+    c = np.array([keys_oracle.context_seed(16)], np.uint64)
+    assert _core.chain_keys(tok, 16, 4, ROOT, c.tobytes()) == prompt_keys(tok, 16).tobytes()
+    with pytest.raises(ValueError, match="no context"):
+        _core.chain_keys(tok, 16, 4, ROOT, b"")
+    with pytest.raises(ValueError, match="no context"):
+        _core.chain_keys(tok, 16, 4, ROOT, b"\0" * 7)
+    with pytest.raises(ValueError, match="2 contexts for 4 blocks"):
+        _core.chain_keys(tok, 16, 4, ROOT, np.zeros(2, np.uint64).tobytes())
+
+
+def test_chain_keys_refuses_block_counts_past_the_tokens_or_past_64_bits():
+    tok = np.arange(64, dtype=np.uint32)
+    c = np.zeros(1, np.uint64).tobytes()
+    with pytest.raises(ValueError, match="need more tokens"):
+        _core.chain_keys(tok, 16, 5, ROOT, c)
+    with pytest.raises(ValueError, match="need more tokens"):
+        _core.chain_keys(tok, 2**62, 2**62, ROOT, c)  # n * bs * 4 wraps to 0 in 64 bits
+    with pytest.raises(ValueError, match="block_size"):
+        _core.chain_keys(tok, 0, 1, ROOT, c)
+
+
+def test_queries_with_extra_keys_the_encoding_refuses_raise():
+    ix = PrefixIndex()
+    ix.apply_batch(WorkerId("a", 0), [stored([1, 2], range(32), 16)])
+    deep: list = []
+    for _ in range(40):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested deeper"):
+        ix.score(list(range(32)), extra_keys=[deep])
+    with pytest.raises(ValueError, match="nested deeper"):
+        prompt_keys(list(range(32)), 16, extra_keys=[deep])
+    with pytest.raises(TypeError):
+        ix.score(list(range(32)), extra_keys=5)
+    # more entries than blocks, or fewer: the extra ones are ignored, the missing ones have none
+    assert ix.score(list(range(32)), extra_keys=[None] * 9) == ix.score(list(range(32)))
+    assert ix.score(list(range(32)), extra_keys=[]) == ix.score(list(range(32)))
