@@ -48,8 +48,11 @@ class _Record(Protocol):
 class Applier:
     """Owns the index and the rank table for the partitions it is fed.
 
-    Not thread-safe: one asyncio task feeds it; HTTP readers run on the same
-    loop between feeds, so they always see a whole record applied or none.
+    One asyncio task feeds it (ingest's loop). Its Python-side state (ranks,
+    positions, dead letters, counters) is read only on that loop, between feeds;
+    scores may come from other threads (``consumer.http.HttpWorkers``) because
+    they read only the core, whose lock lets a reader see a whole core call
+    applied or none of it.
     """
 
     def __init__(
