@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from .codec import SUMMARY_KEYS as CODEC_KEYS
+
 SUMMARY_KEYS = (
     "apply_blocks_per_s",
     "apply_core_blocks_per_s",
@@ -37,12 +39,7 @@ SUMMARY_KEYS = (
     "publish_p999_us_kafka_up",
     "publish_p999_us_kafka_down",
     "publish_p999_us_blocking_queue",
-    "rust_decode_speedup_vs_msgpack",
-    "rust_decode_to_objects_speedup_vs_msgpack",
-    "fastavro_decode_speedup_vs_msgpack",
-    "codec_bytes_ratio_vs_msgpack",
-    "rust_decode_speedup_vs_json",
-    "fastavro_decode_speedup_vs_json",
+    *CODEC_KEYS,
     "replay_blocks_per_s",
     "cold_start_s_per_million_blocks",
     "http_score_rps_c32",
@@ -135,14 +132,7 @@ def summarize(res: dict, errors: dict) -> dict:
             notes[k] = f"null: {why}"
 
     c = res.get("codec")
-    ck = (
-        "rust_decode_speedup_vs_msgpack",
-        "rust_decode_to_objects_speedup_vs_msgpack",
-        "fastavro_decode_speedup_vs_msgpack",
-        "codec_bytes_ratio_vs_msgpack",
-        "rust_decode_speedup_vs_json",
-        "fastavro_decode_speedup_vs_json",
-    )
+    ck = CODEC_KEYS
     if c:
         for k in ck:
             s[k] = c.get(k)
