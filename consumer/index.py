@@ -9,7 +9,7 @@ Python face and the one place the semantics are written down.
 
 Semantics (``tests/oracle.py`` is the executable spec):
 
-- Block keys are our chained XXH3 over token ids (``kvwire.consumer.keys``); engine
+- Block keys are the routers' v1 sequence hashes over token ids (``kvwire.consumer.keys``); engine
   hashes are only ids for BlockRemoved, per (rank, medium, group).
 - A rank's duplicate stores of one engine hash are reference-counted; the
   entry keeps the key of its first store. Removing an unknown hash is ignored

@@ -1,20 +1,23 @@
-"""Block keys: the index's own chained XXH3-64 over token ids.
+"""Block keys: the routers' shared "v1" sequence hashes over token ids.
 
-A block's key is ``xxh3_64(token bytes, seed = parent_key ^ ctx)`` where the
-token bytes are the block's uint32 token ids little-endian, ``parent_key`` is
-the previous block's key (``ROOT`` for a sequence's first block) and ``ctx``
-is ``xxh3_64`` of a canonical encoding of (block_size, lora_name, extra keys).
-So two engines with different hash algorithms, PYTHONHASHSEED or NONE_HASH
-produce the same keys for the same tokens, and routing never depends on them.
+A block's content hash is ``xxh3_64(token bytes, seed)``: its uint32 token
+ids little-endian, seed 1337 plus ``xxh3_64(lora_name, 0)`` for an adapter.
+Its key is the content hash for a sequence's first block (parent ``ROOT``) and
+``xxh3_64(le(parent key) || le(content), 1337)`` after it: the hashes Dynamo,
+vllm-router and SMG compute (docs/DESIGN.md). A block with extra keys
+(multimodal ids, a salt on the first block) adds ``xxh3_64(canonical(extra),
+2)`` to its seed. So two engines with different hash algorithms,
+PYTHONHASHSEED or NONE_HASH produce the same keys for the same tokens, and
+routing never depends on them.
 
 Every rule here has its one home in the Rust core (``kvwire._core``,
-``rust/src/keys.rs``): the roots, the context seed, the canonical encoding of
-extra keys and its normalisation, the chain. A stored block's key and a
-query's are computed by the same code, so they agree exactly when their
-values do. This module is the typed Python face; tests/consumer/test_keys.py
-holds the core to the ``xxhash`` package and to a Python reference
-(``tests/keys_oracle.py``) bit for bit. These definitions are frozen:
-snapshots and digests hold keys.
+``rust/src/keys.rs``): the roots, the seeds, the canonical encoding of extra
+keys and its normalisation, the chain. A stored block's key and a query's are
+computed by the same code, so they agree exactly when their values do. This
+module is the typed Python face; tests/consumer/test_keys.py holds the core to
+the ``xxhash`` package, to a Python reference (``tests/keys_oracle.py``) and to
+the routers' published vector bit for bit. Snapshots and digests hold keys:
+changing them needs a new snapshot format version.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 
 from kvwire import _core
 
-# Fixed chain roots (defined in the core). ROOT starts every real sequence; orphans and
+# Fixed chain roots (defined in the core). ROOT is a sequence's start; orphans and
 # engine-hash mode live under other constants so their keys can never equal a query key.
 ROOT: int = _core.ROOT
 ORPHAN_ROOT: int = _core.ORPHAN_ROOT
@@ -47,17 +50,15 @@ def canonical(v: Any) -> bytes:
     return out
 
 
-def context_seed(block_size: int, lora_name: str | None = None) -> int:
-    """The part of every block's seed that is shared by a whole sequence."""
-    return int(_core.context_seed(block_size, lora_name))
+def context_seed(lora_name: str | None = None) -> int:
+    """The part of every block's content seed that is shared by a whole sequence."""
+    return int(_core.context_seed(lora_name))
 
 
-def block_contexts(
-    block_size: int, lora_name: str | None, extra_keys: Sequence[Any] | None, nblocks: int
-) -> np.ndarray:
-    """Per-block context seeds: a 1-element array when no block has extra keys."""
+def block_contexts(lora_name: str | None, extra_keys: Sequence[Any] | None, nblocks: int) -> np.ndarray:
+    """Per-block content seeds: a 1-element array when no block has extra keys."""
     ek = None if extra_keys is None else list(extra_keys)
-    return np.frombuffer(_core.block_contexts(block_size, lora_name, ek, nblocks), np.uint64)
+    return np.frombuffer(_core.block_contexts(lora_name, ek, nblocks), np.uint64)
 
 
 _BIG_ENDIAN = sys.byteorder == "big"

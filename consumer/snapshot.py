@@ -3,7 +3,7 @@ offset to read, so a member that restarts or takes over a partition loads the
 snapshot and replays only the tail of the log (cold start = snapshot + tail,
 through the same apply path as live ingest).
 
-Format (version 1), all integers little-endian:
+Format (version 2), all integers little-endian:
 
     b"KVWS" | u16 format version | u16 flags | u64 body length | u64 checksum | body
 
@@ -67,7 +67,10 @@ from .rank_state import RETIRED_EPOCHS, RankState
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVWS"
-FORMAT_VERSION = 1
+# 2: block keys are the routers' v1 sequence hashes (docs/DESIGN.md). A version 1 snapshot holds
+# keys of the chain before them, which no query computes any more: it is refused, and the
+# partition is replayed from the log, which rebuilds the same state under the new keys.
+FORMAT_VERSION = 2
 _HEADER = struct.Struct("<4sHHQQ")
 _CHECKED = 16  # header bytes the checksum covers: all but the checksum itself
 FLAG_ZLIB = 1
@@ -130,7 +133,8 @@ def decode_snapshot(data: bytes) -> SnapshotBody:
     if magic != MAGIC:
         raise SnapshotError(f"bad magic {magic!r}")
     if version != FORMAT_VERSION:
-        raise SnapshotError(f"unsupported snapshot format version {version}")
+        why = " (its block keys predate the v1 hashes)" if version == 1 else ""
+        raise SnapshotError(f"unsupported snapshot format version {version}{why}; replaying the partition instead")
     if flags & ~_KNOWN_FLAGS:
         raise SnapshotError(f"unknown flags {flags:#x}")
     raw: bytes | memoryview = memoryview(data)[_HEADER.size :]

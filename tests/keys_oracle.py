@@ -52,8 +52,19 @@ def canonical(v: Any) -> bytes:
     return bytes(out)
 
 
-def context_seed(block_size: int, lora_name: str | None = None) -> int:
-    return xxhash.xxh3_64_intdigest(canonical(("kvwire-ctx/1", block_size, lora_name)))
+V1_SEED = 1337
+
+
+def context_seed(lora_name: str | None = None) -> int:
+    """v1's content seed: 1337, plus XXH3-64 of a non-empty adapter name (seed 0), wrapping."""
+    return (V1_SEED + (xxhash.xxh3_64_intdigest(lora_name.encode()) if lora_name else 0)) & M64
+
+
+def chain_step(parent: int, content: int) -> int:
+    """v1's sequence hash: a first block's is its content hash."""
+    if parent == ROOT:
+        return content
+    return xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + content.to_bytes(8, "little"), seed=V1_SEED)
 
 
 def normalize_extra(extra: Any, lora_name: str | None) -> tuple[Any, ...] | None:
@@ -69,12 +80,12 @@ def normalize_extra(extra: Any, lora_name: str | None) -> tuple[Any, ...] | None
 
 def block_context(base: int, extra: Any, lora_name: str | None) -> int:
     e = normalize_extra(extra, lora_name)
-    return base if e is None else xxhash.xxh3_64_intdigest(canonical(e), seed=base)
+    return base if e is None else (base + xxhash.xxh3_64_intdigest(canonical(e), seed=2)) & M64
 
 
-def block_contexts(block_size: int, lora_name: str | None, extra_keys: Any, nblocks: int) -> list[int]:
-    """Per-block context seeds; one seed when no block has extra keys."""
-    base = context_seed(block_size, lora_name)
+def block_contexts(lora_name: str | None, extra_keys: Any, nblocks: int) -> list[int]:
+    """Per-block content seeds; one seed when no block has extra keys."""
+    base = context_seed(lora_name)
     ek = list(extra_keys or ())[:nblocks]
     ctx = [block_context(base, e, lora_name) for e in ek] + [base] * (nblocks - len(ek))
     return ctx if any(c != base for c in ctx) else [base]

@@ -26,7 +26,7 @@ Written here as a search over every candidate L.
 from __future__ import annotations
 
 import xxhash
-from keys_oracle import ENGINE_NS, ROOT, block_context, context_seed, engine_hash_u64, orphan_root
+from keys_oracle import ENGINE_NS, ROOT, block_context, chain_step, context_seed, engine_hash_u64, orphan_root
 
 from kvwire._core import normalize_medium
 from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats
@@ -36,12 +36,12 @@ M64 = (1 << 64) - 1
 
 def chain(tokens, bs: int, parent: int, lora_name=None, extra_keys=None, n: int | None = None) -> list[int]:
     n = len(tokens) // bs if n is None else n
-    base = context_seed(bs, lora_name)
+    base = context_seed(lora_name)
     keys, key = [], parent
     for i in range(n):
         ctx = block_context(base, extra_keys[i], lora_name) if extra_keys is not None and i < len(extra_keys) else base
         data = b"".join(int(t).to_bytes(4, "little") for t in tokens[i * bs : (i + 1) * bs])
-        key = xxhash.xxh3_64_intdigest(data, seed=(key ^ ctx) & M64)
+        key = chain_step(key, xxhash.xxh3_64_intdigest(data, seed=ctx))
         keys.append(key)
     return keys
 

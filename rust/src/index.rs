@@ -548,7 +548,7 @@ impl Index {
             let ctx = match blk_ctx {
                 Some(c) if c.len() > 1 => Ctx::PerBlock(c),
                 Some(c) => Ctx::One(c[0]),
-                None => Ctx::One(self.ctx.get(bs, lora)),
+                None => Ctx::One(self.ctx.get(lora)),
             };
             crate::keys::chain(tokens, bs as usize, ehs.len(), pkey, ctx, &mut keys);
         }
@@ -1350,8 +1350,8 @@ impl Index {
         reached
     }
 
-    pub fn context(&mut self, bs: i64, lora: Option<&str>) -> u64 {
-        self.ctx.get(bs, lora)
+    pub fn context(&mut self, lora: Option<&str>) -> u64 {
+        self.ctx.get(lora)
     }
 
     // ------------------------------------------------------------ stats
@@ -1551,7 +1551,7 @@ mod tests {
         };
         assert_eq!(ix.apply(&r, &[ev], true), Ok(4));
         assert_eq!(ix.holder_blocks(), 4);
-        let ctx = Ctx::One(ix.context(16, None));
+        let ctx = Ctx::One(ix.context(None));
         let w = vec![1.0; ix.media.len()];
         let s = ix.score(&[Query::Tokens { tokens: &t, bs: 16, ctx }], &w, None, None);
         assert_eq!(s.matched, vec![64]);

@@ -1,24 +1,32 @@
-//! Block keys: the index's own chained XXH3-64 over token ids, and every rule
-//! they rest on. This module is their one home: the hash roots, the context
-//! seed, the canonical encoding of extra keys and its normalisation, the chain.
-//! Python reaches them through `py_keys.rs`; nothing else hashes a block.
+//! Block keys: the routers' shared "v1" sequence hashes over token ids, and every
+//! rule they rest on. This module is their one home: the seeds, the roots, the
+//! canonical encoding of extra keys and its normalisation, the chain. Python
+//! reaches them through `py_keys.rs`; nothing else hashes a block.
 //!
-//! A block's key is `xxh3_64(token bytes, seed = parent_key ^ ctx)`: the token
-//! bytes are the block's u32 token ids little-endian, `parent_key` is the
-//! previous block's key (`ROOT` for a sequence's first block) and `ctx` is
-//! `xxh3_64` of a canonical encoding of (block_size, lora_name), further hashed
-//! with the block's extra keys when it has any. These definitions are frozen:
-//! snapshots and digests hold keys, so any change here would silently make
-//! every stored index disagree with the live one. `tests/consumer/test_keys.py`
-//! checks this code bit for bit against the `xxhash` package and an
-//! independent Python chain and encoding (`tests/keys_oracle.py`).
+//! As Dynamo, vllm-router and SMG compute them (docs/DESIGN.md has the decision):
+//! a block's **content hash** is `xxh3_64(token bytes, seed)`, the token bytes
+//! being its u32 token ids little-endian and the seed `1337`, plus
+//! `xxh3_64(lora_name, 0)` for an adapter (wrapping). Its **key**, the sequence
+//! hash, is the content hash for a sequence's first block (parent `ROOT`) and
+//! `xxh3_64(le(parent key) ‖ le(content), 1337)` after it. kvwire's additions
+//! change only blocks that v1 does not describe: a block with extra keys (vLLM's
+//! multimodal ids, the salt on a first block) adds `xxh3_64(canonical(extra), 2)`
+//! to its seed, and orphan chains start from `orphan_root`, never from `ROOT`.
+//! Snapshots and digests hold keys: any change here needs a new snapshot format
+//! version. `tests/consumer/test_keys.py` checks this code bit for bit against
+//! the `xxhash` package, an independent Python chain (`tests/keys_oracle.py`) and
+//! the routers' published vector.
 
 use std::borrow::Cow;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-/// "kvwire" + 1: starts every real sequence.
+/// The parent of a sequence's first block: its key is its content hash, as in v1.
 pub const ROOT: u64 = 0x6B76_7769_7265_0001;
+/// v1's seed of every content hash and of the chain step.
+pub const V1_SEED: u64 = 1337;
+/// The seed under which a block's extra keys join its content seed.
+const EXTRA_SEED: u64 = 2;
 /// Roots of chains under an unknown parent: never equal to a query key.
 pub const ORPHAN_ROOT: u64 = 0x6B76_7769_7265_00F0;
 /// Engine-hash mode keys live in this namespace (engine hash ^ ENGINE_NS).
@@ -43,16 +51,30 @@ fn token_bytes(t: &[u32]) -> std::borrow::Cow<'_, [u8]> {
     }
 }
 
-/// The key of one block of tokens chained from `parent` under context `ctx`.
+/// The sequence hash of a block whose content hash is `content`, after `parent`.
+/// The content hash does not depend on the parent, so a walk's content hashes
+/// overlap in the CPU; only this 16-byte step is serial.
+#[inline]
+pub fn chain_step(parent: u64, content: u64) -> u64 {
+    if parent == ROOT {
+        return content;
+    }
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&parent.to_le_bytes());
+    b[8..].copy_from_slice(&content.to_le_bytes());
+    xxh3(&b, V1_SEED)
+}
+
+/// The key of one block of tokens chained from `parent` under content seed `ctx`.
 #[inline]
 pub fn block_key(tokens: &[u32], parent: u64, ctx: u64) -> u64 {
-    xxh3(&token_bytes(tokens), parent ^ ctx)
+    chain_step(parent, xxh3(&token_bytes(tokens), ctx))
 }
 
 /// `block_key` over the tokens' little-endian bytes (the wire form).
 #[inline]
 pub fn block_key_le(token_le: &[u8], parent: u64, ctx: u64) -> u64 {
-    xxh3(token_le, parent ^ ctx)
+    chain_step(parent, xxh3(token_le, ctx))
 }
 
 /// Per-block contexts: one shared seed (the common case) or one per block.
@@ -158,16 +180,15 @@ pub fn float_hex(x: f64) -> String {
     format!("{sign}0x{lead}.{mantissa:013x}p{esign}{}", exp.abs())
 }
 
-/// `canonical(("kvwire-ctx/1", block_size, lora_name))` hashed: the part of every
-/// block's seed that a whole sequence shares.
-pub fn context_seed(block_size: i64, lora_name: Option<&str>) -> u64 {
-    let lora = match lora_name {
-        None => Key::Null,
-        Some(l) => Key::Str(Cow::Borrowed(l.as_bytes())),
-    };
-    let mut b = Vec::with_capacity(48);
-    canon_seq(&[Key::Str(Cow::Borrowed(b"kvwire-ctx/1")), Key::Int(block_size), lora], &mut b);
-    xxh3(&b, 0)
+/// v1's content seed, the part of every block's seed that a whole sequence
+/// shares: 1337, plus `xxh3_64(lora_name, 0)` for an adapter (an empty name is
+/// none, as in v1). The block size is not part of it: blocks of other sizes
+/// differ in their bytes, and the index keeps each worker's block size.
+pub fn context_seed(lora_name: Option<&str>) -> u64 {
+    match lora_name {
+        Some(l) if !l.is_empty() => V1_SEED.wrapping_add(xxh3(l.as_bytes(), 0)),
+        _ => V1_SEED,
+    }
 }
 
 /// One block's extra keys as the key encodes them: a bare value stands for a
@@ -197,7 +218,7 @@ pub fn block_contexts(blocks: &[Option<Key>], lora: Option<&str>, base: u64, n: 
         let Some(items) = b.as_ref().and_then(|k| normalized(k, lora)) else { continue };
         buf.clear();
         canon_seq(items, &mut buf);
-        out.get_or_insert_with(|| vec![base; n])[i] = xxh3(&buf, base);
+        out.get_or_insert_with(|| vec![base; n])[i] = base.wrapping_add(xxh3(&buf, EXTRA_SEED));
     }
     out
 }
@@ -220,29 +241,24 @@ pub fn engine_key(eh: u64) -> u64 {
     eh ^ ENGINE_NS
 }
 
-/// Context seeds by (block size, LoRA name), cached: computing one costs a
-/// format and a hash, and a stream uses a handful.
+/// Content seeds by LoRA name, cached: an adapter's costs a hash of its name,
+/// and a stream uses a handful.
 #[derive(Default)]
 pub struct CtxCache {
-    plain: std::collections::HashMap<i64, u64>,
-    lora: std::collections::HashMap<String, std::collections::HashMap<i64, u64>>,
+    lora: std::collections::HashMap<String, u64>,
 }
 
 impl CtxCache {
-    pub fn get(&mut self, bs: i64, lora: Option<&str>) -> u64 {
-        match lora {
-            None => *self.plain.entry(bs).or_insert_with(|| context_seed(bs, None)),
-            Some(l) => {
-                if let Some(c) = self.lora.get(l).and_then(|m| m.get(&bs)) {
-                    return *c;
-                }
-                let c = context_seed(bs, Some(l));
-                if self.lora.len() < 4096 {
-                    self.lora.entry(l.to_owned()).or_default().insert(bs, c);
-                }
-                c
-            }
+    pub fn get(&mut self, lora: Option<&str>) -> u64 {
+        let Some(l) = lora else { return context_seed(None) };
+        if let Some(c) = self.lora.get(l) {
+            return *c;
         }
+        let c = context_seed(Some(l));
+        if self.lora.len() < 4096 {
+            self.lora.insert(l.to_owned(), c);
+        }
+        c
     }
 }
 
@@ -254,9 +270,9 @@ mod tests {
     fn chain_continues() {
         let toks: Vec<u8> = (0u32..64).flat_map(|t| t.to_le_bytes()).collect();
         let mut all = vec![];
-        chain(&toks, 16, 4, ROOT, Ctx::One(context_seed(16, None)), &mut all);
+        chain(&toks, 16, 4, ROOT, Ctx::One(context_seed(None)), &mut all);
         let mut tail = vec![];
-        chain(&toks[128..], 16, 2, all[1], Ctx::One(context_seed(16, None)), &mut tail);
+        chain(&toks[128..], 16, 2, all[1], Ctx::One(context_seed(None)), &mut tail);
         assert_eq!(&all[2..], &tail[..]);
     }
 
@@ -282,20 +298,29 @@ mod tests {
     #[test]
     fn extra_keys_normalise_as_vllm_sends_them() {
         let s = |v: &'static str| Key::Str(Cow::Borrowed(v.as_bytes()));
-        let base = context_seed(16, Some("ad"));
+        let base = context_seed(Some("ad"));
         let lora_only = [Some(Key::Seq(vec![s("ad")])), None];
         assert_eq!(block_contexts(&lora_only, Some("ad"), base, 2), None);
         let bare = [Some(s("img")), None];
         let tuple = [Some(Key::Seq(vec![s("ad"), s("img")]))];
         let a = block_contexts(&bare, Some("ad"), base, 3).unwrap();
         assert_eq!(a, block_contexts(&tuple, Some("ad"), base, 3).unwrap());
-        assert_eq!((a[0], a[1], a[2]), (xxh3(b"t1:s3:img", base), base, base));
+        assert_eq!((a[0], a[1], a[2]), (base.wrapping_add(xxh3(b"t1:s3:img", 2)), base, base));
     }
 
     #[test]
-    fn canonical_context_matches_python() {
-        // keys.context_seed(16) == xxh3(b"t3:s12:kvwire-ctx/1i2:16N")
-        assert_eq!(context_seed(16, None), xxh3(b"t3:s12:kvwire-ctx/1i2:16N", 0));
-        assert_eq!(context_seed(-1, Some("ad")), xxh3(b"t3:s12:kvwire-ctx/1i2:-1s2:ad", 0));
+    fn v1_seeds_and_the_routers_published_vector() {
+        assert_eq!(context_seed(None), 1337);
+        assert_eq!(context_seed(Some("")), 1337);
+        assert_eq!(context_seed(Some("ad")), 1337u64.wrapping_add(xxh3(b"ad", 0)));
+        // tokens 1..8, block size 4: Dynamo's compute_block_hash_for_seq gives these
+        // content hashes (routers.md); the second key is the chain step over them.
+        let toks: Vec<u32> = (1..=8).collect();
+        let content: Vec<u64> = toks.chunks(4).map(|b| xxh3(&token_bytes(b), 1337)).collect();
+        assert_eq!(content, [14643705804678351452, 16777012769546811212]);
+        let le: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut keys = vec![];
+        chain(&le, 4, 2, ROOT, Ctx::One(context_seed(None)), &mut keys);
+        assert_eq!(keys, [14643705804678351452, 4945711292740353085]);
     }
 }

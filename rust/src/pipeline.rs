@@ -164,7 +164,7 @@ fn own(rec: &Record, ix: &mut Index) -> Owned {
                 let token_mode = s.block_size > 0 && !s.token_ids.is_empty();
                 o.ctx.push(match (&s.extra_keys, token_mode) {
                     (Some(x), true) => {
-                        let base = ix.context(s.block_size as i64, s.lora_name);
+                        let base = ix.context(s.lora_name);
                         let blocks: Vec<Option<Key>> = x.iter().take(n).map(|b| b.as_deref().map(block_key)).collect();
                         keys::block_contexts(&blocks, s.lora_name, base, n)
                     }

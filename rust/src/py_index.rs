@@ -341,7 +341,7 @@ impl PyIndex {
             let n: i64 = t.get_item(2)?.extract()?;
             if kind == "t" {
                 let lora: Option<String> = t.get_item(4)?.extract()?;
-                let base = keys::context_seed(n, lora.as_deref());
+                let base = keys::context_seed(lora.as_deref());
                 let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
                 let extra = t.get_item(3)?;
                 words.push(crate::py_keys::contexts(&extra, lora.as_deref(), base, blocks)?);

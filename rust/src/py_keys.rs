@@ -129,7 +129,7 @@ fn chain_keys<'py>(
 }
 
 /// Keys of the first `nblocks` (default: every) full blocks of `tokens` (a u32 buffer, little
-/// endian) chained from `parent` under (block_size, lora_name, per-block extra keys).
+/// endian) chained from `parent` under (lora_name, per-block extra keys).
 #[pyfunction]
 #[pyo3(signature = (tokens, block_size, parent=keys::ROOT, lora_name=None, extra_keys=None, nblocks=None))]
 fn block_keys<'py>(
@@ -148,7 +148,7 @@ fn block_keys<'py>(
     let bs = usize::try_from(block_size).map_err(|_| PyValueError::new_err("block_size too large"))?;
     let full = t.bytes().len() / 4 / bs;
     let n = nblocks.map_or(full, |k| k.min(full));
-    let base = keys::context_seed(block_size, lora_name);
+    let base = keys::context_seed(lora_name);
     let per = match extra_keys {
         Some(e) => contexts(e, lora_name, base, n)?,
         None => None,
@@ -161,15 +161,14 @@ fn block_keys<'py>(
 
 /// Per-block context seeds of `nblocks` blocks as u64 bytes: one word when no block has extra keys.
 #[pyfunction]
-#[pyo3(signature = (block_size, lora_name, extra_keys, nblocks))]
+#[pyo3(signature = (lora_name, extra_keys, nblocks))]
 fn block_contexts<'py>(
     py: Python<'py>,
-    block_size: i64,
     lora_name: Option<&str>,
     extra_keys: &Bound<'py, PyAny>,
     nblocks: usize,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let base = keys::context_seed(block_size, lora_name);
+    let base = keys::context_seed(lora_name);
     Ok(match contexts(extra_keys, lora_name, base, nblocks)? {
         Some(c) => u64_bytes(py, c),
         None => u64_bytes(py, [base]),
@@ -177,9 +176,9 @@ fn block_contexts<'py>(
 }
 
 #[pyfunction]
-#[pyo3(signature = (block_size, lora_name=None))]
-fn context_seed(block_size: i64, lora_name: Option<&str>) -> u64 {
-    keys::context_seed(block_size, lora_name)
+#[pyo3(signature = (lora_name=None))]
+fn context_seed(lora_name: Option<&str>) -> u64 {
+    keys::context_seed(lora_name)
 }
 
 /// The canonical encoding of a value (what a block's extra keys are hashed as).

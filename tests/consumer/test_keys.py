@@ -37,15 +37,26 @@ def test_xxh3_matches_xxhash_package(nbytes):
         assert got == xxhash.xxh3_64_intdigest(words[1 : 1 + nbytes // 4].tobytes(), seed=seed)
 
 
-def test_chain_is_xxh3_seeded_by_parent_and_context():
+def test_keys_are_v1_content_hashes_chained_as_sequence_hashes():
+    """The routers' shared hash (Dynamo, vllm-router, SMG): content = XXH3-64(tokens LE, 1337),
+    seq[0] = content[0], seq[i] = XXH3-64(le(seq[i-1]) || le(content[i]), 1337)."""
     toks = list(range(32))
-    keys = prompt_keys(toks, 16)
-    from kvwire.consumer.keys import context_seed
+    c0 = xxhash.xxh3_64_intdigest(array("I", toks[:16]).tobytes(), seed=1337)
+    c1 = xxhash.xxh3_64_intdigest(array("I", toks[16:]).tobytes(), seed=1337)
+    k1 = xxhash.xxh3_64_intdigest(c0.to_bytes(8, "little") + c1.to_bytes(8, "little"), seed=1337)
+    assert prompt_keys(toks, 16).tolist() == [c0, k1]
+    # an adapter adds XXH3-64(name, seed 0) to the seed, wrapping
+    s = (1337 + xxhash.xxh3_64_intdigest(b"ad")) & ((1 << 64) - 1)
+    assert prompt_keys(toks, 16, lora_name="ad")[0] == xxhash.xxh3_64_intdigest(array("I", toks[:16]).tobytes(), seed=s)
 
-    c = context_seed(16)
-    k0 = xxhash.xxh3_64_intdigest(array("I", toks[:16]).tobytes(), seed=ROOT ^ c)
-    k1 = xxhash.xxh3_64_intdigest(array("I", toks[16:]).tobytes(), seed=k0 ^ c)
-    assert keys.tolist() == [k0, k1]
+
+def test_the_routers_published_vector():
+    """tokens 1..8, block size 4: Dynamo's compute_block_hash_for_seq returns these content
+    hashes (../shared/reference/routers.md); the first key is the first content hash."""
+    content = [14643705804678351452, 16777012769546811212]
+    keys = prompt_keys(list(range(1, 9)), 4).tolist()
+    assert keys[0] == content[0]
+    assert keys[1] == keys_oracle.chain_step(content[0], content[1]) == 4945711292740353085
 
 
 def test_same_tokens_same_key_whatever_the_engine_hash():
@@ -164,13 +175,12 @@ def test_canonical_encoding_of_what_json_and_vllm_cannot_carry():
     st.lists(st.none() | _values, max_size=6),
     st.sampled_from([None, "ad", ""]),
     st.integers(0, 8),
-    st.sampled_from([1, 16]),
 )
-def test_block_contexts_are_the_references(extra, lora, nblocks, bs):
+def test_block_contexts_are_the_references(extra, lora, nblocks):
     if lora and extra and extra[0] is not None:
         extra[0] = (lora, *extra[0]) if isinstance(extra[0], (tuple, list)) else (lora, extra[0])
-    got = np.frombuffer(_core.block_contexts(bs, lora, extra, nblocks), np.uint64).tolist()
-    assert got == keys_oracle.block_contexts(bs, lora, extra, nblocks)
+    got = np.frombuffer(_core.block_contexts(lora, extra, nblocks), np.uint64).tolist()
+    assert got == keys_oracle.block_contexts(lora, extra, nblocks)
 
 
 def test_roots_and_seeds_are_the_references():
@@ -179,8 +189,8 @@ def test_roots_and_seeds_are_the_references():
         keys_oracle.ORPHAN_ROOT,
         keys_oracle.ENGINE_NS,
     )
-    for bs, lora in [(16, None), (1, "ad"), (-1, "é"), (2**40, "")]:
-        assert _core.context_seed(bs, lora) == keys_oracle.context_seed(bs, lora)
+    for lora in (None, "ad", "é", ""):
+        assert _core.context_seed(lora) == keys_oracle.context_seed(lora)
     for h in (0, 5, -1, 2**64 - 1, 2**70 + 3, b"\x01" * 32):
         assert engine_hash_u64(h) == keys_oracle.engine_hash_u64(h)
         if isinstance(h, int):
@@ -192,7 +202,7 @@ def test_roots_and_seeds_are_the_references():
 
 def test_chain_keys_refuses_contexts_that_do_not_cover_the_blocks():
     tok = np.arange(64, dtype=np.uint32)
-    c = np.array([keys_oracle.context_seed(16)], np.uint64)
+    c = np.array([keys_oracle.context_seed()], np.uint64)
     assert _core.chain_keys(tok, 16, 4, ROOT, c.tobytes()) == prompt_keys(tok, 16).tobytes()
     with pytest.raises(ValueError, match="no context"):
         _core.chain_keys(tok, 16, 4, ROOT, b"")
