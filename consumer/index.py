@@ -184,9 +184,9 @@ class PrefixIndex:
         except codec.EncodeError as e:
             raise MalformedEvent(f"events the wire cannot carry: {e}") from None
         status, blocks, msg = _core.apply_events(self.core, value, atomic)
-        if status == 0:
+        if status == _core.ApplyStatus.APPLIED:
             return int(blocks)
-        if status == 1:
+        if status == _core.ApplyStatus.MALFORMED:
             raise MalformedEvent(msg)
         raise IndexOverflow("reference count ceiling reached; the events were not applied")
 

@@ -25,7 +25,6 @@ ingest's one-call-per-poll pipeline fences each record; this is its Python face.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 
 import msgspec
@@ -39,14 +38,10 @@ from kvwire.schemas.events import EventBatch
 RETIRED_EPOCHS = 32
 
 
-class Verdict(enum.Enum):
-    APPLY = "apply"
-    RESET = "reset"  # drop the rank's blocks, then apply
-    DUPLICATE = "duplicate"
-    STALE_EPOCH = "stale_epoch"
-
-
-VERDICTS = (Verdict.APPLY, Verdict.RESET, Verdict.DUPLICATE, Verdict.STALE_EPOCH)
+# APPLY, RESET (drop the rank's blocks, then apply), DUPLICATE, STALE_EPOCH: the core's own
+# enum (rust/src/fence.rs), so a verdict crosses the boundary as itself. Compare with ==:
+# the core hands out a new object per verdict.
+Verdict = _core.Verdict
 
 
 class RankState(msgspec.Struct):
@@ -74,7 +69,7 @@ class RankTable:
 
     def admit(self, batch: EventBatch) -> Verdict:
         w = batch.worker
-        v = self.core.admit(
+        return self.core.admit(
             w.instance_id,
             w.dp_rank,
             w.tp_rank,
@@ -86,7 +81,6 @@ class RankTable:
             batch.gap,
             batch.source,
         )
-        return VERDICTS[v]
 
     @property
     def ranks(self) -> dict[tuple[str, int, int], RankState]:

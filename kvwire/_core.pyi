@@ -1,7 +1,8 @@
 # Typed surface of the Rust extension (rust/src/lib.rs). Keep in step with the #[pyfunction]s there.
 # The index engineer's half (rust/src/py_index.rs) adds its own names below the decoder's.
 
-from typing import Any
+import enum
+from typing import Any, final
 
 from kvwire.schemas.events import EventBatch
 
@@ -105,6 +106,47 @@ def normalize_medium(medium: str | None = None) -> str: ...
 
 # ---------------------------------------------------------------- fence and pipeline (rust/src/pipeline.rs)
 
+# Enums defined in the core (pyo3's simple enums: == compares, a new object per value).
+@final
+class Verdict(enum.Enum):
+    APPLY = 0
+    RESET = 1
+    DUPLICATE = 2
+    STALE_EPOCH = 3
+    @property
+    def label(self) -> str: ...
+
+@final
+class ApplyStatus(enum.Enum):
+    APPLIED = 0
+    MALFORMED = 1
+    OVERFLOW = 2
+
+@final
+class Tally:
+    """What the records of one apply call did, for the counters."""
+
+    records: int
+    duplicates: int
+    stale: int
+    gaps: int
+    resets: int
+    blocks: int
+    events: int
+    max_lag_us: int | None
+    def __init__(
+        self,
+        *,
+        records: int = 0,
+        duplicates: int = 0,
+        stale: int = 0,
+        gaps: int = 0,
+        resets: int = 0,
+        blocks: int = 0,
+        events: int = 0,
+        max_lag_us: int | None = None,
+    ) -> None: ...
+
 class Fence:
     def __init__(self) -> None: ...
     def admit(
@@ -119,7 +161,7 @@ class Fence:
         reset: bool,
         gap: int,
         source: str = "",
-    ) -> int: ...
+    ) -> Verdict: ...
     def approximate_workers(self) -> list[tuple[str, int]]: ...
     def worker_trusted(self, inst: str, dp: int) -> bool: ...
     def untrusted_workers(self) -> list[tuple[str, int]]: ...
@@ -147,9 +189,6 @@ class Fence:
         approximate: bool = ...,
     ) -> None: ...
 
-# (records, duplicates, stale, gap batches, resets, blocks, events, max lag in us or None)
-_Tally = tuple[int, int, int, int, int, int, int, int | None]
-
 def apply_poll(
     index: Index,
     fence: Fence,
@@ -158,8 +197,8 @@ def apply_poll(
     budget_us: int,
     now_us: int,
     schema_ids: dict[int, int] | None = None,
-) -> tuple[int, bool, _Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
-def apply_events(index: Index, value: bytes, atomic: bool) -> tuple[int, int, str]: ...
+) -> tuple[int, bool, Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
+def apply_events(index: Index, value: bytes, atomic: bool) -> tuple[ApplyStatus, int, str]: ...
 def score_trusted(
     index: Index, fence: Fence, queries: list[tuple[Any, ...]], top_k: int | None = None, as_json: bool = True
 ) -> Any: ...

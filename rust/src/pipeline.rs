@@ -26,7 +26,7 @@ use std::borrow::Cow;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict};
@@ -39,17 +39,54 @@ use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 const OVERFLOW_REASON: &str =
     "apply failed: IndexOverflow: reference count ceiling reached; the events were not applied";
 
-/// What one record did, for the counters.
-#[derive(Default)]
-struct Tally {
-    records: u64,
-    duplicates: u64,
-    stale: u64,
-    gaps: i64,
-    resets: u64,
-    blocks: u64,
-    events: u64,
-    max_lag_us: Option<i64>,
+/// What the records of one call did, for the counters (`Applier._account`).
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+#[derive(Clone, Default)]
+pub struct Tally {
+    pub records: u64,
+    pub duplicates: u64,
+    pub stale: u64,
+    /// Records lost upstream, as the producers' gap fields count them.
+    pub gaps: i64,
+    pub resets: u64,
+    pub blocks: u64,
+    pub events: u64,
+    /// The oldest applied record's lag; None when none was applied.
+    pub max_lag_us: Option<i64>,
+}
+
+#[pymethods]
+impl Tally {
+    /// A tally counted outside the core (`Applier` over an index model, in tests).
+    #[new]
+    #[pyo3(signature = (*, records=0, duplicates=0, stale=0, gaps=0, resets=0, blocks=0, events=0, max_lag_us=None))]
+    #[allow(clippy::too_many_arguments)] // one keyword per field: Python names each one it sets
+    fn new(
+        records: u64,
+        duplicates: u64,
+        stale: u64,
+        gaps: i64,
+        resets: u64,
+        blocks: u64,
+        events: u64,
+        max_lag_us: Option<i64>,
+    ) -> Self {
+        Tally { records, duplicates, stale, gaps, resets, blocks, events, max_lag_us }
+    }
+}
+
+/// What `apply_events` did with a record's events.
+#[pyclass(module = "kvwire._core", eq, eq_int, frozen)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyStatus {
+    #[pyo3(name = "APPLIED")]
+    Applied,
+    /// A malformed event: nothing applied, or with `atomic=False` the events before it.
+    #[pyo3(name = "MALFORMED")]
+    Malformed,
+    /// A reference count reached its ceiling: nothing applied.
+    #[pyo3(name = "OVERFLOW")]
+    Overflow,
 }
 
 /// Outcome of applying one fenced record.
@@ -231,10 +268,6 @@ pub fn is_approximate(source: &str) -> bool {
     source.ends_with("/approximate")
 }
 
-fn tally_tuple<'py>(py: Python<'py>, t: &Tally) -> PyResult<Bound<'py, PyTuple>> {
-    (t.records, t.duplicates, t.stale, t.gaps, t.resets, t.blocks, t.events, t.max_lag_us).into_pyobject(py)
-}
-
 /// The shipped writer version a registry id stands for, from `codec.SchemaIds.shipped()`.
 fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
     schema_ids?.get_item(id).ok()??.extract().ok()
@@ -246,11 +279,12 @@ fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
 /// (next index, declined: bool, tally, dead letters [(index, reason)],
 /// workers seen [(instance_id, dp_rank)]). With `declined`, `records[next]`
 /// is the declined one (not consumed).
+/// What `apply_poll` returns: (next index, declined, tally, dead letters, workers seen).
+type Poll = (usize, bool, Tally, Vec<(usize, String)>, Vec<(String, i64)>);
+
 #[pyfunction]
 #[pyo3(signature = (index, fence, records, start, budget_us, now_us, schema_ids=None))]
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn apply_poll<'py>(
-    py: Python<'py>,
     index: &Bound<'py, PyIndex>,
     fence: &Bound<'py, PyFence>,
     records: &Bound<'py, PyList>,
@@ -258,7 +292,8 @@ pub fn apply_poll<'py>(
     budget_us: u64,
     now_us: i64,
     schema_ids: Option<&Bound<'py, PyDict>>,
-) -> PyResult<(usize, bool, Bound<'py, PyTuple>, Vec<(usize, String)>, Vec<(String, i64)>)> {
+) -> PyResult<Poll> {
+    let py = index.py();
     let mut ixg = index.borrow_mut();
     let mut fg = fence.borrow_mut();
     let ix = &mut ixg.ix;
@@ -274,10 +309,10 @@ pub fn apply_poll<'py>(
         let item = records.get_item(i)?;
         let value = if item.is_instance_of::<PyBytes>() { item } else { item.getattr(value_attr)? };
         let Ok(b) = value.cast::<PyBytes>() else {
-            return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
+            return Ok((i, true, t, dead, seen));
         };
         let Ok(rec) = decode::decode_framed(b.as_bytes(), |id| version_of(schema_ids, id)) else {
-            return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
+            return Ok((i, true, t, dead, seen));
         };
         let o = own(&rec, ix);
         let mut evs = events(&rec, &o);
@@ -302,15 +337,14 @@ pub fn apply_poll<'py>(
             break;
         }
     }
-    Ok((i, false, tally_tuple(py, &t)?, dead, seen))
+    Ok((i, false, t, dead, seen))
 }
 
 /// Apply one record's events to its rank without the fence (`PrefixIndex.apply_batch`, which
 /// encodes the events it is given). With `atomic`, a malformed event applies nothing.
-/// Returns (status, blocks, message): 0 applied, 1 malformed event, 2 count ceiling
-/// (nothing applied). Raises ValueError for bytes the fast decoder declines.
+/// Returns (status, blocks, message). Raises ValueError for bytes the fast decoder declines.
 #[pyfunction]
-pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(u8, u64, String)> {
+pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(ApplyStatus, u64, String)> {
     let rec =
         decode::decode(value).map_err(|d| PyValueError::new_err(format!("not a record the core decodes: {d}")))?;
     let mut ixg = index.borrow_mut();
@@ -321,9 +355,9 @@ pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> P
     let rank =
         RankId { inst: w.instance_id, dp: w.dp_rank.into(), tp_rank: w.tp_rank.into(), tp_size: w.tp_size.into() };
     Ok(match ix.apply(&rank, &evs, atomic) {
-        Ok(n) => (0, n, String::new()),
-        Err(ApplyError::Malformed(_, m)) => (1, 0, m),
-        Err(ApplyError::Overflow) => (2, 0, String::new()),
+        Ok(n) => (ApplyStatus::Applied, n, String::new()),
+        Err(ApplyError::Malformed(_, m)) => (ApplyStatus::Malformed, 0, m),
+        Err(ApplyError::Overflow) => (ApplyStatus::Overflow, 0, String::new()),
     })
 }
 
@@ -343,7 +377,7 @@ impl PyFence {
         Self::default()
     }
 
-    /// The verdict (0 apply, 1 reset, 2 duplicate, 3 stale epoch) for one record.
+    /// The verdict for one record.
     #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, source=""))]
     #[allow(clippy::too_many_arguments)]
     fn admit(
@@ -358,9 +392,9 @@ impl PyFence {
         reset: bool,
         gap: i64,
         source: &str,
-    ) -> u8 {
+    ) -> Verdict {
         let approximate = is_approximate(source);
-        self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, approximate }) as u8
+        self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, approximate })
     }
 
     fn approximate_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
@@ -482,6 +516,9 @@ pub fn score_trusted<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFence>()?;
+    m.add_class::<Verdict>()?;
+    m.add_class::<Tally>()?;
+    m.add_class::<ApplyStatus>()?;
     m.add_function(wrap_pyfunction!(apply_poll, m)?)?;
     m.add_function(wrap_pyfunction!(apply_events, m)?)?;
     m.add_function(wrap_pyfunction!(score_trusted, m)?)?;
