@@ -294,9 +294,10 @@ pub fn apply_poll<'py>(
     schema_ids: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Poll> {
     let py = index.py();
-    let mut ixg = index.borrow_mut();
+    let ixg = index.borrow_mut();
     let mut fg = fence.borrow_mut();
-    let ix = &mut ixg.ix;
+    let mut ixw = ixg.write(py);
+    let ix = &mut *ixw;
     let f = &mut fg.fence;
     let t0 = std::time::Instant::now();
     let mut t = Tally::default();
@@ -347,8 +348,9 @@ pub fn apply_poll<'py>(
 pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(ApplyStatus, u64, String)> {
     let rec =
         decode::decode(value).map_err(|d| PyValueError::new_err(format!("not a record the core decodes: {d}")))?;
-    let mut ixg = index.borrow_mut();
-    let ix = &mut ixg.ix;
+    let ixg = index.borrow_mut();
+    let mut ixw = ixg.write(index.py());
+    let ix = &mut *ixw;
     let o = own(&rec, ix);
     let evs = events(&rec, &o);
     let w = &rec.worker;
