@@ -68,19 +68,7 @@ class RankTable:
         self.core = _core.Fence()
 
     def admit(self, batch: EventBatch) -> Verdict:
-        w = batch.worker
-        return self.core.admit(
-            w.instance_id,
-            w.dp_rank,
-            w.tp_rank,
-            w.tp_size,
-            batch.epoch,
-            batch.seq,
-            batch.ts_us,
-            batch.reset,
-            batch.gap,
-            batch.source,
-        )
+        return self.core.admit(batch)
 
     @property
     def ranks(self) -> dict[tuple[str, int, int], RankState]:
@@ -95,22 +83,7 @@ class RankTable:
 
     def restore(self, rank: tuple[str, int, int], st: RankState, tp_size: int) -> None:
         """Install a rank's state as a snapshot recorded it."""
-        i, d, t = rank
-        self.core.restore(
-            i,
-            d,
-            t,
-            tp_size,
-            st.epoch,
-            st.last_seq,
-            st.trusted,
-            st.untrusted_reason,
-            st.last_seen_us,
-            list(st.retired)[-RETIRED_EPOCHS:],
-            st.records,
-            st.gaps,
-            st.approximate,
-        )
+        self.core.restore(rank, tp_size, st)
 
     def worker_trusted(self, worker: tuple[str, int]) -> bool:
         """A worker is trusted when every one of its ranks we know is, and we know all of them."""

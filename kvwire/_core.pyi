@@ -26,6 +26,25 @@ def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
 # ---------------------------------------------------------------- index (rust/src/py_index.rs)
 # Only kvwire.consumer.index calls these; its PrefixIndex is the typed API.
 
+class ScoreQuery:
+    """One score query: token ids the core hashes, or keys computed before."""
+
+    @final
+    class Tokens(ScoreQuery):
+        tokens: Any
+        block_size: int
+        extra_keys: list[Any] | None
+        lora_name: str | None
+        def __init__(
+            self, tokens: Any, block_size: int, extra_keys: list[Any] | None, lora_name: str | None
+        ) -> None: ...
+
+    @final
+    class Keys(ScoreQuery):
+        keys: Any
+        tokens_per_key: int
+        def __init__(self, keys: Any, tokens_per_key: int) -> None: ...
+
 class Index:
     def __init__(
         self,
@@ -39,13 +58,12 @@ class Index:
     def drop_worker(self, inst: str, dp: int) -> None: ...
     def score(
         self,
-        queries: list[tuple[Any, ...]],
+        queries: list[ScoreQuery],
         weights: dict[str, float] | None = None,
         workers: list[tuple[str, int]] | None = None,
         exclude: list[tuple[str, int]] | None = None,
         top_k: int | None = None,
         as_json: bool = False,
-        approximate: list[tuple[str, int]] | None = None,
     ) -> Any: ...
     def worker_names(self) -> list[tuple[str, int]]: ...
     def media(self) -> list[str]: ...
@@ -149,19 +167,7 @@ class Tally:
 
 class Fence:
     def __init__(self) -> None: ...
-    def admit(
-        self,
-        inst: str,
-        dp: int,
-        tp_rank: int,
-        tp_size: int,
-        epoch: int,
-        seq: int,
-        ts_us: int,
-        reset: bool,
-        gap: int,
-        source: str = "",
-    ) -> Verdict: ...
+    def admit(self, batch: EventBatch) -> Verdict: ...
     def approximate_workers(self) -> list[tuple[str, int]]: ...
     def worker_trusted(self, inst: str, dp: int) -> bool: ...
     def untrusted_workers(self) -> list[tuple[str, int]]: ...
@@ -172,22 +178,8 @@ class Fence:
     def state_known(self, inst: str, dp: int, tp_rank: int) -> None: ...
     def ranks(self) -> list[tuple[str, int, int, int, int, bool, str, int, list[int], int, int, bool]]: ...
     def tp_sizes(self) -> list[tuple[str, int, int]]: ...
-    def restore(
-        self,
-        inst: str,
-        dp: int,
-        tp_rank: int,
-        tp_size: int,
-        epoch: int,
-        last_seq: int,
-        trusted: bool,
-        reason: str,
-        last_seen_us: int,
-        retired: list[int],
-        records: int,
-        gaps: int,
-        approximate: bool = ...,
-    ) -> None: ...
+    def restore(self, rank: tuple[str, int, int], tp_size: int, state: Any) -> None:
+        """``state``: a ``kvwire.consumer.rank_state.RankState``."""
 
 def apply_poll(
     index: Index,
@@ -200,5 +192,5 @@ def apply_poll(
 ) -> tuple[int, bool, Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
 def apply_events(index: Index, value: bytes, atomic: bool) -> tuple[ApplyStatus, int, str]: ...
 def score_trusted(
-    index: Index, fence: Fence, queries: list[tuple[Any, ...]], top_k: int | None = None, as_json: bool = True
+    index: Index, fence: Fence, queries: list[ScoreQuery], top_k: int | None = None, as_json: bool = True
 ) -> Any: ...

@@ -26,13 +26,13 @@ use std::borrow::Cow;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::decode;
-use crate::fence::{Fence, RankState, Stamp, Verdict};
-use crate::index::{ApplyError, Ev, Index, RankId};
+use crate::fence::{Fence, RankState, Stamp, Verdict, RETIRED_EPOCHS};
+use crate::index::{ApplyError, Ev, Index, RankId, Store};
 use crate::keys::{self, Key};
-use crate::py_index::{wait_borrow, PyIndex};
+use crate::py_index::{wait_borrow, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// Why a record was dead-lettered after its bytes decoded.
@@ -228,7 +228,7 @@ fn events<'a>(rec: &'a Record, o: &'a Owned) -> Vec<Ev<'a>> {
         .iter()
         .enumerate()
         .map(|(i, e)| match e {
-            Event::Stored(s) => Ev::Store {
+            Event::Stored(s) => Ev::Store(Store {
                 medium: s.medium,
                 group: s.group_idx.unwrap_or(0) as i64,
                 ehs: &o.ehs[i],
@@ -239,7 +239,7 @@ fn events<'a>(rec: &'a Record, o: &'a Owned) -> Vec<Ev<'a>> {
                 blk_ctx: o.ctx[i].as_deref(),
                 kind: s.kv_cache_spec_kind,
                 window: s.kv_cache_spec_sliding_window.map(i64::from),
-            },
+            }),
             Event::Removed(r) => {
                 Ev::Remove { medium: r.medium, group: r.group_idx.unwrap_or(0) as i64, ehs: &o.ehs[i] }
             }
@@ -379,24 +379,25 @@ impl PyFence {
         Self::default()
     }
 
-    /// The verdict for one record.
-    #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, source=""))]
-    #[allow(clippy::too_many_arguments)]
-    fn admit(
-        &mut self,
-        inst: &str,
-        dp: i64,
-        tp_rank: i64,
-        tp_size: i64,
-        epoch: i64,
-        seq: i64,
-        ts_us: i64,
-        reset: bool,
-        gap: i64,
-        source: &str,
-    ) -> Verdict {
-        let approximate = is_approximate(source);
-        self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, approximate })
+    /// The verdict for one record (an `EventBatch`; its events are not read).
+    fn admit(&mut self, batch: &Bound<'_, PyAny>) -> PyResult<Verdict> {
+        let py = batch.py();
+        let w = batch.getattr(pyo3::intern!(py, "worker"))?;
+        let inst = w.getattr(pyo3::intern!(py, "instance_id"))?.cast_into::<PyString>()?;
+        let source = batch.getattr(pyo3::intern!(py, "source"))?.cast_into::<PyString>()?;
+        let stamp = Stamp {
+            inst: inst.to_str()?,
+            dp: w.getattr(pyo3::intern!(py, "dp_rank"))?.extract()?,
+            tp_rank: w.getattr(pyo3::intern!(py, "tp_rank"))?.extract()?,
+            tp_size: w.getattr(pyo3::intern!(py, "tp_size"))?.extract()?,
+            epoch: batch.getattr(pyo3::intern!(py, "epoch"))?.extract()?,
+            seq: batch.getattr(pyo3::intern!(py, "seq"))?.extract()?,
+            ts_us: batch.getattr(pyo3::intern!(py, "ts_us"))?.extract()?,
+            reset: batch.getattr(pyo3::intern!(py, "reset"))?.extract()?,
+            gap: batch.getattr(pyo3::intern!(py, "gap"))?.extract()?,
+            approximate: is_approximate(source.to_str()?),
+        };
+        Ok(self.fence.admit(&stamp))
     }
 
     fn approximate_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
@@ -465,36 +466,31 @@ impl PyFence {
         this.fence.tp_sizes().map(|(i, d, t)| (i.to_owned(), d, t)).collect()
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, last_seq, trusted, reason, last_seen_us, retired, records, gaps, approximate=false))]
-    fn restore(
-        &mut self,
-        inst: &str,
-        dp: i64,
-        tp_rank: i64,
-        tp_size: i64,
-        epoch: i64,
-        last_seq: i64,
-        trusted: bool,
-        reason: String,
-        last_seen_us: i64,
-        retired: Vec<i64>,
-        records: i64,
-        gaps: i64,
-        approximate: bool,
-    ) {
+    /// Install a rank's state as a snapshot recorded it (`rank_state.RankState`); of its
+    /// retired epochs only the newest `RETIRED_EPOCHS` are kept.
+    fn restore(&mut self, rank: (String, i64, i64), tp_size: i64, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (inst, dp, tp_rank) = rank;
+        let py = state.py();
+        let mut retired = std::collections::VecDeque::new();
+        for e in state.getattr(pyo3::intern!(py, "retired"))?.try_iter()? {
+            retired.push_back(e?.extract::<i64>()?);
+            if retired.len() > RETIRED_EPOCHS {
+                retired.pop_front();
+            }
+        }
         let st = RankState {
-            epoch,
-            last_seq,
-            trusted,
-            last_seen_us,
-            retired: retired.into(),
-            reason,
-            records,
-            gaps,
-            approximate,
+            epoch: state.getattr(pyo3::intern!(py, "epoch"))?.extract()?,
+            last_seq: state.getattr(pyo3::intern!(py, "last_seq"))?.extract()?,
+            trusted: state.getattr(pyo3::intern!(py, "trusted"))?.extract()?,
+            last_seen_us: state.getattr(pyo3::intern!(py, "last_seen_us"))?.extract()?,
+            retired,
+            reason: state.getattr(pyo3::intern!(py, "untrusted_reason"))?.extract()?,
+            records: state.getattr(pyo3::intern!(py, "records"))?.extract()?,
+            gaps: state.getattr(pyo3::intern!(py, "gaps"))?.extract()?,
+            approximate: state.getattr(pyo3::intern!(py, "approximate"))?.extract()?,
         };
-        self.fence.restore(inst, dp, tp_rank, st, tp_size);
+        self.fence.restore(&inst, dp, tp_rank, st, tp_size);
+        Ok(())
     }
 }
 
@@ -513,7 +509,15 @@ pub fn score_trusted<'py>(
         let f = wait_borrow(fence);
         (PyList::new(py, f.fence.untrusted_workers())?, PyList::new(py, f.fence.approximate_workers())?)
     };
-    PyIndex::score(index, py, queries, None, None, Some(untrusted.as_any()), top_k, as_json, Some(approx.as_any()))
+    let how = ScoreArgs {
+        weights: None,
+        workers: None,
+        exclude: Some(untrusted.as_any()),
+        approximate: Some(approx.as_any()),
+        top_k,
+        as_json,
+    };
+    PyIndex::score_with(index, queries, &how)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -11,7 +11,7 @@ use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use crate::index::{Index, Query, RankId, Scores};
+use crate::index::{Index, Query, RankId, Scores, TableBlob};
 use crate::keys::{self, Ctx};
 
 /// A contiguous buffer's bytes, held for as long as this lives.
@@ -83,6 +83,39 @@ pub(crate) fn wait_borrow<'py, T: pyo3::PyClass>(slf: &Bound<'py, T>) -> PyRef<'
         }
     }
 }
+
+/// One score query, as Python builds it (`consumer.index.PrefixIndex`): token ids, hashed
+/// here in blocks of `block_size` under their per-block extra keys and LoRA, or keys
+/// computed before, each worth `tokens_per_key` tokens.
+#[pyclass(module = "kvwire._core", frozen)]
+pub enum ScoreQuery {
+    Tokens { tokens: Py<PyAny>, block_size: i64, extra_keys: Option<Py<PyAny>>, lora_name: Option<String> },
+    Keys { keys: Py<PyAny>, tokens_per_key: i64 },
+}
+
+/// How a score call filters, weighs and returns its scores.
+#[derive(Clone, Copy)]
+pub struct ScoreArgs<'a, 'py> {
+    pub weights: Option<&'a Bound<'py, PyDict>>,
+    pub workers: Option<&'a Bound<'py, PyAny>>,
+    pub exclude: Option<&'a Bound<'py, PyAny>>,
+    /// Workers whose JSON entries are marked approximate.
+    pub approximate: Option<&'a Bound<'py, PyAny>>,
+    pub top_k: Option<usize>,
+    pub as_json: bool,
+}
+
+/// A worker's `stats()`: (inst, dp, tp_size, ranks, blocks per medium, entries, orphans,
+/// unknown removes, duplicate stores), the fields of `consumer.index.WorkerStats`.
+type StatsRow = (String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64);
+
+/// `export_workers`: the blob header's table rows, then engine hashes, keys and metas.
+type Exported<'py> = (
+    Vec<(String, i64, u32, i64, String, i64, i64, i64, i64)>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
 
 #[pyclass(module = "kvwire._core", name = "Index")]
 pub struct PyIndex {
@@ -225,80 +258,46 @@ pub fn scores_json(ix: &Index, s: &Scores, approx: Option<&[bool]>) -> String {
     out
 }
 
-#[pymethods]
 impl PyIndex {
-    #[new]
-    #[pyo3(signature = (weights=None, default_weight=0.5, capacity=0, holder_sets_at=None))]
-    fn new(
-        weights: Option<std::collections::HashMap<String, f64>>,
-        default_weight: f64,
-        capacity: usize,
-        holder_sets_at: Option<u32>,
-    ) -> Self {
-        let weights = weights.unwrap_or_else(|| {
-            [("GPU".to_string(), 1.0), ("CPU".to_string(), 0.8), ("STORAGE".to_string(), 0.5)].into_iter().collect()
-        });
-        let mut ix = Index::new();
-        if capacity > 0 {
-            ix.s.reserve(capacity);
-        }
-        if let Some(n) = holder_sets_at {
-            ix.s.promote = n.max(1);
-        }
-        PyIndex { ix: Arc::new(RwLock::new(ix)), weights, default_weight }
-    }
-
-    fn clear(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
-        self.write(py).clear_rank(inst, dp, tp_rank, false);
-    }
-
-    fn drop_rank(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
-        self.write(py).drop_rank(inst, dp, tp_rank);
-    }
-
-    fn drop_worker(&mut self, py: Python<'_>, inst: &str, dp: i64) {
-        self.write(py).drop_worker(inst, dp);
-    }
-
-    /// Score queries, each ("t", tokens buffer, block_size, extra keys | None, lora)
-    /// or ("k", keys bytes, tokens per key); returns `scores_tuple` arrays,
-    /// or the JSON list when `as_json`. The walk runs without the GIL (see `Shared`).
-    /// `approximate`: workers whose JSON entries are marked approximate.
-    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false, approximate=None))]
-    #[allow(clippy::too_many_arguments)]
-    pub fn score<'py>(
+    /// `score`'s work, also for `score_trusted`, which marks approximate workers.
+    pub fn score_with<'py>(
         slf: &Bound<'py, Self>,
-        py: Python<'py>,
         queries: &Bound<'py, PyList>,
-        weights: Option<&Bound<'py, PyDict>>,
-        workers: Option<&Bound<'py, PyAny>>,
-        exclude: Option<&Bound<'py, PyAny>>,
-        top_k: Option<usize>,
-        as_json: bool,
-        approximate: Option<&Bound<'py, PyAny>>,
+        how: &ScoreArgs<'_, 'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let ScoreArgs { weights, workers, exclude, approximate, top_k, as_json } = *how;
+        let mut qs_in = Vec::with_capacity(queries.len());
+        for q in queries.iter() {
+            qs_in.push(q.cast_into::<ScoreQuery>()?);
+        }
         let mut bufs = vec![];
-        // Per query: the precomputed keys ("k") or the per-block contexts ("t"), None
-        // when every block's context is the sequence's.
+        // Per query: the precomputed keys, or the per-block contexts of tokens (None when
+        // every block's context is the sequence's).
         let mut words: Vec<Option<Vec<u64>>> = vec![];
         let mut meta = vec![];
-        for q in queries.iter() {
-            let t = q.cast::<PyTuple>()?;
-            let kind: String = t.get_item(0)?.extract()?;
-            let buf = RawBuf::get(&t.get_item(1)?)?;
-            let n: i64 = t.get_item(2)?.extract()?;
-            if kind == "t" {
-                let lora: Option<String> = t.get_item(4)?.extract()?;
-                let base = keys::context_seed(n, lora.as_deref());
-                let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
-                let extra = t.get_item(3)?;
-                words.push(crate::py_keys::contexts(&extra, lora.as_deref(), base, blocks)?);
-                meta.push((true, n, base));
-            } else {
-                words.push(Some(words_u64(buf.bytes())));
-                meta.push((false, n, 0));
+        for q in &qs_in {
+            match q.get() {
+                ScoreQuery::Tokens { tokens, block_size, extra_keys, lora_name } => {
+                    let buf = RawBuf::get(tokens.bind(py))?;
+                    let n = *block_size;
+                    let base = keys::context_seed(n, lora_name.as_deref());
+                    let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
+                    let extra = match extra_keys {
+                        Some(x) => x.bind(py).clone(),
+                        None => py.None().into_bound(py),
+                    };
+                    words.push(crate::py_keys::contexts(&extra, lora_name.as_deref(), base, blocks)?);
+                    meta.push((true, n, base));
+                    bufs.push(buf);
+                }
+                ScoreQuery::Keys { keys, tokens_per_key } => {
+                    let buf = RawBuf::get(keys.bind(py))?;
+                    words.push(Some(words_u64(buf.bytes())));
+                    meta.push((false, *tokens_per_key, 0));
+                    bufs.push(buf);
+                }
             }
-            bufs.push(buf);
         }
         let mut qs = vec![];
         for (i, &(tok, n, base)) in meta.iter().enumerate() {
@@ -353,6 +352,58 @@ impl PyIndex {
         }
         Ok(scores_tuple(py, &s)?.into_any())
     }
+}
+
+#[pymethods]
+impl PyIndex {
+    #[new]
+    #[pyo3(signature = (weights=None, default_weight=0.5, capacity=0, holder_sets_at=None))]
+    fn new(
+        weights: Option<std::collections::HashMap<String, f64>>,
+        default_weight: f64,
+        capacity: usize,
+        holder_sets_at: Option<u32>,
+    ) -> Self {
+        let weights = weights.unwrap_or_else(|| {
+            [("GPU".to_string(), 1.0), ("CPU".to_string(), 0.8), ("STORAGE".to_string(), 0.5)].into_iter().collect()
+        });
+        let mut ix = Index::new();
+        if capacity > 0 {
+            ix.s.reserve(capacity);
+        }
+        if let Some(n) = holder_sets_at {
+            ix.s.promote = n.max(1);
+        }
+        PyIndex { ix: Arc::new(RwLock::new(ix)), weights, default_weight }
+    }
+
+    fn clear(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+        self.write(py).clear_rank(inst, dp, tp_rank, false);
+    }
+
+    fn drop_rank(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+        self.write(py).drop_rank(inst, dp, tp_rank);
+    }
+
+    fn drop_worker(&mut self, py: Python<'_>, inst: &str, dp: i64) {
+        self.write(py).drop_worker(inst, dp);
+    }
+
+    /// Score queries (`ScoreQuery`); returns `scores_tuple` arrays, or the JSON list when
+    /// `as_json`. The walk runs without the GIL (see `Shared`).
+    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
+    pub fn score<'py>(
+        slf: &Bound<'py, Self>,
+        queries: &Bound<'py, PyList>,
+        weights: Option<&Bound<'py, PyDict>>,
+        workers: Option<&Bound<'py, PyAny>>,
+        exclude: Option<&Bound<'py, PyAny>>,
+        top_k: Option<usize>,
+        as_json: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let how = ScoreArgs { weights, workers, exclude, approximate: None, top_k, as_json };
+        Self::score_with(slf, queries, &how)
+    }
 
     /// (instance_id, dp_rank) of every worker id ever seen, by id.
     fn worker_names(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
@@ -379,12 +430,10 @@ impl PyIndex {
             .collect()
     }
 
-    #[allow(clippy::type_complexity)]
-    fn stats(slf: &Bound<'_, Self>) -> Vec<(String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64)> {
+    fn stats(slf: &Bound<'_, Self>) -> Vec<StatsRow> {
         let this = wait_borrow(slf);
         let ix = this.read();
-        ix
-            .stats()
+        ix.stats()
             .into_iter()
             .map(|s| (s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown, s.dups))
             .collect()
@@ -479,17 +528,7 @@ impl PyIndex {
 
     /// The tables of these workers, in their order (ranks, then tables):
     /// ([(inst, dp, tp_size, tp_rank, medium, group, entries, unknown, dups)], ehs, keys, metas).
-    #[allow(clippy::type_complexity)]
-    fn export_workers<'py>(
-        &self,
-        py: Python<'py>,
-        workers: Vec<(String, i64)>,
-    ) -> (
-        Vec<(String, i64, u32, i64, String, i64, i64, i64, i64)>,
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-    ) {
+    fn export_workers<'py>(&self, py: Python<'py>, workers: Vec<(String, i64)>) -> Exported<'py> {
         let ix = self.read();
         let mut tables = vec![];
         let (mut ehs, mut ks, mut ms): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
@@ -522,6 +561,7 @@ impl PyIndex {
         (tables, PyBytes::new(py, &ehs), PyBytes::new(py, &ks), PyBytes::new(py, &ms))
     }
 
+    // One argument per field of a blob header's table row, which Python reads and checks.
     #[allow(clippy::too_many_arguments)]
     fn import_table(
         &mut self,
@@ -546,13 +586,15 @@ impl PyIndex {
             return Err(PyValueError::new_err("array lengths differ"));
         }
         let rank = RankId { inst, dp, tp_rank, tp_size };
+        let blob = TableBlob { medium, group, ehs: &e, keys: &k, metas: &m, unknown, dups };
         self.write(py)
-            .import_table(&rank, medium, group, &e, &k, &m, unknown, dups)
+            .import_table(&rank, &blob)
             .map_err(|why| PyValueError::new_err(format!("index blob: {why} for {inst}/{dp} rank {tp_rank}")))
     }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
+    m.add_class::<ScoreQuery>()?;
     Ok(())
 }
