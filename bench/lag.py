@@ -160,7 +160,7 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
 
     class StampingApplier(Applier):
         def _account(self, tally):
-            self.metrics.pending_weight = max(1, tally[0] - tally[1] - tally[2])  # records applied
+            self.metrics.pending_weight = max(1, tally.records - tally.duplicates - tally.stale)  # records applied
             super()._account(tally)
 
         # The core reports one lag per slice, its oldest record's: stamp that record's append time.

@@ -115,27 +115,26 @@ class Applier:
             i = nxt
         return i
 
-    def _account(self, tally: tuple[int, int, int, int, int, int, int, int | None]) -> None:
-        records, dups, stale, gaps, resets, blocks, events, max_lag_us = tally
+    def _account(self, t: _core.Tally) -> None:
         m = self.metrics
-        if records:
-            self.records += records
-            m.records.inc(records)
-        if dups:
-            m.skipped.labels(Verdict.DUPLICATE.value).inc(dups)
-        if stale:
-            m.skipped.labels(Verdict.STALE_EPOCH.value).inc(stale)
-        if gaps:
-            m.gaps.inc(gaps)
-        if resets:
-            m.resets.inc(resets)
-        if blocks:
-            self.blocks += blocks
-            m.blocks.inc(blocks)
-        self.events += events
-        if max_lag_us is not None:
+        if t.records:
+            self.records += t.records
+            m.records.inc(t.records)
+        if t.duplicates:
+            m.skipped.labels(Verdict.DUPLICATE.label).inc(t.duplicates)
+        if t.stale:
+            m.skipped.labels(Verdict.STALE_EPOCH.label).inc(t.stale)
+        if t.gaps:
+            m.gaps.inc(t.gaps)
+        if t.resets:
+            m.resets.inc(t.resets)
+        if t.blocks:
+            self.blocks += t.blocks
+            m.blocks.inc(t.blocks)
+        self.events += t.events
+        if t.max_lag_us is not None:
             # Once per slice: the oldest record's lag, the one an operator cares about.
-            m.observe_lag_us(max_lag_us)
+            m.observe_lag_us(t.max_lag_us)
 
     def apply_record(
         self, topic: str, partition: int, offset: int, key: bytes | None, value: Any, timestamp_ms: int
@@ -181,24 +180,27 @@ class Applier:
             if "IndexOverflow" in why:
                 raise IndexOverflow("reference count ceiling reached; the record was not applied")
             raise MalformedEvent(why.removeprefix("apply failed: MalformedEvent: "))
-        _, dups, stale, _, resets = tally[:5]
-        return (
-            Verdict.DUPLICATE if dups else Verdict.STALE_EPOCH if stale else Verdict.RESET if resets else Verdict.APPLY
-        )
+        if tally.duplicates:
+            return Verdict.DUPLICATE
+        if tally.stale:
+            return Verdict.STALE_EPOCH
+        return Verdict.RESET if tally.resets else Verdict.APPLY
 
     def _apply_model(self, batch: EventBatch, partition: int) -> Verdict:
         """The same contract over any index with ``PrefixIndex``'s write methods
         (tests feed ``tests/oracle.py``'s brute-force model through here)."""
         rank = batch.worker
         verdict = self.ranks.admit(batch)
-        self._account((1, int(verdict is Verdict.DUPLICATE), int(verdict is Verdict.STALE_EPOCH), 0, 0, 0, 0, None))
-        if verdict is Verdict.DUPLICATE or verdict is Verdict.STALE_EPOCH:
+        dup, stale = verdict == Verdict.DUPLICATE, verdict == Verdict.STALE_EPOCH
+        self._account(_core.Tally(records=1, duplicates=int(dup), stale=int(stale)))
+        if dup or stale:
             return verdict
         self.workers_by_partition[partition].add(rank.worker)
-        if verdict is Verdict.RESET:
+        reset = verdict == Verdict.RESET
+        if reset:
             self.index.clear(rank)
         blocks = self.index.apply_batch(rank, batch.events, atomic=True)
-        self._account((0, 0, 0, batch.gap, int(verdict is Verdict.RESET), blocks, len(batch.events), None))
+        self._account(_core.Tally(gaps=batch.gap, resets=int(reset), blocks=blocks, events=len(batch.events)))
         if any(type(e) is AllBlocksCleared for e in batch.events):
             self.ranks.core.state_known(rank.instance_id, rank.dp_rank, rank.tp_rank)
         return verdict

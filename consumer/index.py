@@ -184,9 +184,9 @@ class PrefixIndex:
         except codec.EncodeError as e:
             raise MalformedEvent(f"events the wire cannot carry: {e}") from None
         status, blocks, msg = _core.apply_events(self.core, value, atomic)
-        if status == 0:
+        if status == _core.ApplyStatus.APPLIED:
             return int(blocks)
-        if status == 1:
+        if status == _core.ApplyStatus.MALFORMED:
             raise MalformedEvent(msg)
         raise IndexOverflow("reference count ceiling reached; the events were not applied")
 
@@ -223,17 +223,17 @@ class PrefixIndex:
 
     def _queries(
         self, token_ids: Any, lora_name: str | None, block_size: int | None, extra_keys: Sequence[Any] | None
-    ) -> list[tuple[Any, ...]]:
+    ) -> list[_core.ScoreQuery]:
         tok = _tokens(token_ids)
         # Contexts are hashed in the core, from the values themselves; a list, read once per size.
         extra_keys = None if extra_keys is None else list(extra_keys)
         sizes = (block_size,) if block_size else self.core.block_sizes()
-        out = []
+        out: list[_core.ScoreQuery] = []
         for bs in sizes:
             n = tok.shape[0] // bs
             if n == 0:
                 continue
-            out.append(("t", tok, bs, extra_keys, lora_name))
+            out.append(_core.ScoreQuery.Tokens(tok, bs, extra_keys, lora_name))
         return out
 
     def score_arrays(
@@ -277,13 +277,15 @@ class PrefixIndex:
         that caches a conversation's keys skips rehashing its prefix)."""
         k = np.ascontiguousarray(keys, np.uint64)
         return self.results(
-            _arrays(self.core.score([("k", k, block_size)], _wdict(weights), _wlist(workers), None, top_k))
+            _arrays(
+                self.core.score([_core.ScoreQuery.Keys(k, block_size)], _wdict(weights), _wlist(workers), None, top_k)
+            )
         )
 
     def score_keys_arrays(self, keys: np.ndarray, block_size: int, top_k: int | None = None) -> ScoreArrays:
         """``score_keys`` as arrays (the fast path without hashing)."""
         k = np.ascontiguousarray(keys, np.uint64)
-        return _arrays(self.core.score([("k", k, block_size)], None, None, None, top_k))
+        return _arrays(self.core.score([_core.ScoreQuery.Keys(k, block_size)], None, None, None, top_k))
 
     def score_engine_hashes(
         self,
@@ -295,7 +297,9 @@ class PrefixIndex:
         """Score a prompt given as the engine's own chained block hashes (engine-hash mode;
         see the module docstring for when that is sound). Tokens = blocks x ``block_size``."""
         k = engine_keys(hashes)
-        return self.results(_arrays(self.core.score([("k", k, block_size)], _wdict(weights), _wlist(workers))))
+        return self.results(
+            _arrays(self.core.score([_core.ScoreQuery.Keys(k, block_size)], _wdict(weights), _wlist(workers)))
+        )
 
     def worker_key(self, w: int) -> tuple[str, int]:
         names = self._names

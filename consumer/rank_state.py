@@ -25,7 +25,6 @@ ingest's one-call-per-poll pipeline fences each record; this is its Python face.
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 
 import msgspec
@@ -39,14 +38,10 @@ from kvwire.schemas.events import EventBatch
 RETIRED_EPOCHS = 32
 
 
-class Verdict(enum.Enum):
-    APPLY = "apply"
-    RESET = "reset"  # drop the rank's blocks, then apply
-    DUPLICATE = "duplicate"
-    STALE_EPOCH = "stale_epoch"
-
-
-VERDICTS = (Verdict.APPLY, Verdict.RESET, Verdict.DUPLICATE, Verdict.STALE_EPOCH)
+# APPLY, RESET (drop the rank's blocks, then apply), DUPLICATE, STALE_EPOCH: the core's own
+# enum (rust/src/fence.rs), so a verdict crosses the boundary as itself. Compare with ==:
+# the core hands out a new object per verdict.
+Verdict = _core.Verdict
 
 
 class RankState(msgspec.Struct):
@@ -73,20 +68,7 @@ class RankTable:
         self.core = _core.Fence()
 
     def admit(self, batch: EventBatch) -> Verdict:
-        w = batch.worker
-        v = self.core.admit(
-            w.instance_id,
-            w.dp_rank,
-            w.tp_rank,
-            w.tp_size,
-            batch.epoch,
-            batch.seq,
-            batch.ts_us,
-            batch.reset,
-            batch.gap,
-            batch.source,
-        )
-        return VERDICTS[v]
+        return self.core.admit(batch)
 
     @property
     def ranks(self) -> dict[tuple[str, int, int], RankState]:
@@ -101,22 +83,7 @@ class RankTable:
 
     def restore(self, rank: tuple[str, int, int], st: RankState, tp_size: int) -> None:
         """Install a rank's state as a snapshot recorded it."""
-        i, d, t = rank
-        self.core.restore(
-            i,
-            d,
-            t,
-            tp_size,
-            st.epoch,
-            st.last_seq,
-            st.trusted,
-            st.untrusted_reason,
-            st.last_seen_us,
-            list(st.retired)[-RETIRED_EPOCHS:],
-            st.records,
-            st.gaps,
-            st.approximate,
-        )
+        self.core.restore(rank, tp_size, st)
 
     def worker_trusted(self, worker: tuple[str, int]) -> bool:
         """A worker is trusted when every one of its ranks we know is, and we know all of them."""

@@ -1,7 +1,8 @@
 # Typed surface of the Rust extension (rust/src/lib.rs). Keep in step with the #[pyfunction]s there.
 # The index engineer's half (rust/src/py_index.rs) adds its own names below the decoder's.
 
-from typing import Any
+import enum
+from typing import Any, final
 
 from kvwire.schemas.events import EventBatch
 
@@ -25,6 +26,25 @@ def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
 # ---------------------------------------------------------------- index (rust/src/py_index.rs)
 # Only kvwire.consumer.index calls these; its PrefixIndex is the typed API.
 
+class ScoreQuery:
+    """One score query: token ids the core hashes, or keys computed before."""
+
+    @final
+    class Tokens(ScoreQuery):
+        tokens: Any
+        block_size: int
+        extra_keys: list[Any] | None
+        lora_name: str | None
+        def __init__(
+            self, tokens: Any, block_size: int, extra_keys: list[Any] | None, lora_name: str | None
+        ) -> None: ...
+
+    @final
+    class Keys(ScoreQuery):
+        keys: Any
+        tokens_per_key: int
+        def __init__(self, keys: Any, tokens_per_key: int) -> None: ...
+
 class Index:
     def __init__(
         self,
@@ -38,13 +58,12 @@ class Index:
     def drop_worker(self, inst: str, dp: int) -> None: ...
     def score(
         self,
-        queries: list[tuple[Any, ...]],
+        queries: list[ScoreQuery],
         weights: dict[str, float] | None = None,
         workers: list[tuple[str, int]] | None = None,
         exclude: list[tuple[str, int]] | None = None,
         top_k: int | None = None,
         as_json: bool = False,
-        approximate: list[tuple[str, int]] | None = None,
     ) -> Any: ...
     def worker_names(self) -> list[tuple[str, int]]: ...
     def media(self) -> list[str]: ...
@@ -105,21 +124,50 @@ def normalize_medium(medium: str | None = None) -> str: ...
 
 # ---------------------------------------------------------------- fence and pipeline (rust/src/pipeline.rs)
 
+# Enums defined in the core (pyo3's simple enums: == compares, a new object per value).
+@final
+class Verdict(enum.Enum):
+    APPLY = 0
+    RESET = 1
+    DUPLICATE = 2
+    STALE_EPOCH = 3
+    @property
+    def label(self) -> str: ...
+
+@final
+class ApplyStatus(enum.Enum):
+    APPLIED = 0
+    MALFORMED = 1
+    OVERFLOW = 2
+
+@final
+class Tally:
+    """What the records of one apply call did, for the counters."""
+
+    records: int
+    duplicates: int
+    stale: int
+    gaps: int
+    resets: int
+    blocks: int
+    events: int
+    max_lag_us: int | None
+    def __init__(
+        self,
+        *,
+        records: int = 0,
+        duplicates: int = 0,
+        stale: int = 0,
+        gaps: int = 0,
+        resets: int = 0,
+        blocks: int = 0,
+        events: int = 0,
+        max_lag_us: int | None = None,
+    ) -> None: ...
+
 class Fence:
     def __init__(self) -> None: ...
-    def admit(
-        self,
-        inst: str,
-        dp: int,
-        tp_rank: int,
-        tp_size: int,
-        epoch: int,
-        seq: int,
-        ts_us: int,
-        reset: bool,
-        gap: int,
-        source: str = "",
-    ) -> int: ...
+    def admit(self, batch: EventBatch) -> Verdict: ...
     def approximate_workers(self) -> list[tuple[str, int]]: ...
     def worker_trusted(self, inst: str, dp: int) -> bool: ...
     def untrusted_workers(self) -> list[tuple[str, int]]: ...
@@ -130,25 +178,8 @@ class Fence:
     def state_known(self, inst: str, dp: int, tp_rank: int) -> None: ...
     def ranks(self) -> list[tuple[str, int, int, int, int, bool, str, int, list[int], int, int, bool]]: ...
     def tp_sizes(self) -> list[tuple[str, int, int]]: ...
-    def restore(
-        self,
-        inst: str,
-        dp: int,
-        tp_rank: int,
-        tp_size: int,
-        epoch: int,
-        last_seq: int,
-        trusted: bool,
-        reason: str,
-        last_seen_us: int,
-        retired: list[int],
-        records: int,
-        gaps: int,
-        approximate: bool = ...,
-    ) -> None: ...
-
-# (records, duplicates, stale, gap batches, resets, blocks, events, max lag in us or None)
-_Tally = tuple[int, int, int, int, int, int, int, int | None]
+    def restore(self, rank: tuple[str, int, int], tp_size: int, state: Any) -> None:
+        """``state``: a ``kvwire.consumer.rank_state.RankState``."""
 
 def apply_poll(
     index: Index,
@@ -158,8 +189,8 @@ def apply_poll(
     budget_us: int,
     now_us: int,
     schema_ids: dict[int, int] | None = None,
-) -> tuple[int, bool, _Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
-def apply_events(index: Index, value: bytes, atomic: bool) -> tuple[int, int, str]: ...
+) -> tuple[int, bool, Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
+def apply_events(index: Index, value: bytes, atomic: bool) -> tuple[ApplyStatus, int, str]: ...
 def score_trusted(
-    index: Index, fence: Fence, queries: list[tuple[Any, ...]], top_k: int | None = None, as_json: bool = True
+    index: Index, fence: Fence, queries: list[ScoreQuery], top_k: int | None = None, as_json: bool = True
 ) -> Any: ...

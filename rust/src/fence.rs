@@ -20,16 +20,39 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use pyo3::prelude::*;
+
 /// Enough to outlast any realistic burst of restarts of one rank.
 pub const RETIRED_EPOCHS: usize = 32;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// What the index must do with a record; Python reads it as `kvwire._core.Verdict`
+/// (`consumer/rank_state.py` re-exports it), with `label` naming it in metrics.
+#[pyclass(module = "kvwire._core", eq, eq_int, frozen, hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Verdict {
-    Apply = 0,
+    #[pyo3(name = "APPLY")]
+    Apply,
     /// Drop the rank's blocks, then apply.
-    Reset = 1,
-    Duplicate = 2,
-    StaleEpoch = 3,
+    #[pyo3(name = "RESET")]
+    Reset,
+    #[pyo3(name = "DUPLICATE")]
+    Duplicate,
+    #[pyo3(name = "STALE_EPOCH")]
+    StaleEpoch,
+}
+
+#[pymethods]
+impl Verdict {
+    /// The metrics label of a skipped record's verdict.
+    #[getter]
+    fn label(&self) -> &'static str {
+        match self {
+            Verdict::Apply => "apply",
+            Verdict::Reset => "reset",
+            Verdict::Duplicate => "duplicate",
+            Verdict::StaleEpoch => "stale_epoch",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]

@@ -75,28 +75,49 @@ pub struct RankId<'a> {
     pub tp_size: i64,
 }
 
+/// A BlockStored event's fields.
+#[derive(Clone, Copy)]
+pub struct Store<'a> {
+    pub medium: Option<&'a str>,
+    pub group: i64,
+    pub ehs: &'a [u64],
+    /// Token ids as little-endian u32 bytes (the wire form).
+    pub tokens: &'a [u8],
+    pub bs: i64,
+    pub parent: Option<u64>,
+    pub lora: Option<&'a str>,
+    /// Per-block contexts when extra keys are present (else derived from bs, lora).
+    pub blk_ctx: Option<&'a [u64]>,
+    /// vLLM's `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` of the group.
+    pub kind: Option<&'a str>,
+    pub window: Option<i64>,
+}
+
+/// One exported table of a rank, as `Index::import_table` installs it.
+#[derive(Clone, Copy)]
+pub struct TableBlob<'a> {
+    pub medium: &'a str,
+    pub group: i64,
+    /// Per entry: engine hash, block key and refcount|flags.
+    pub ehs: &'a [u64],
+    pub keys: &'a [u64],
+    pub metas: &'a [u16],
+    pub unknown: i64,
+    pub dups: i64,
+}
+
+/// What the general score walk fills per worker and per wm; `walk_one_medium` fills it too.
+struct Runs<'r> {
+    run_w: &'r mut [u32],
+    score_w: &'r mut [f64],
+    run_wm: &'r mut [u32],
+    cnt: &'r mut [u32],
+}
+
 /// One event, borrowed from a decoded record or from Python objects.
 pub enum Ev<'a> {
-    Store {
-        medium: Option<&'a str>,
-        group: i64,
-        ehs: &'a [u64],
-        /// Token ids as little-endian u32 bytes (the wire form).
-        tokens: &'a [u8],
-        bs: i64,
-        parent: Option<u64>,
-        lora: Option<&'a str>,
-        /// Per-block contexts when extra keys are present (else derived from bs, lora).
-        blk_ctx: Option<&'a [u64]>,
-        /// vLLM's `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` of the group.
-        kind: Option<&'a str>,
-        window: Option<i64>,
-    },
-    Remove {
-        medium: Option<&'a str>,
-        group: i64,
-        ehs: &'a [u64],
-    },
+    Store(Store<'a>),
+    Remove { medium: Option<&'a str>, group: i64, ehs: &'a [u64] },
     Clear,
 }
 
@@ -424,7 +445,7 @@ impl Index {
     /// Check that every event of a record can be applied (token counts).
     pub fn validate(events: &[Ev]) -> Result<(), ApplyError> {
         for (e, ev) in events.iter().enumerate() {
-            if let Ev::Store { ehs, tokens, bs, .. } = ev {
+            if let Ev::Store(Store { ehs, tokens, bs, .. }) = ev {
                 if *bs > 0 && !tokens.is_empty() && store_shape(tokens.len() / 4, *bs, ehs.len()).is_none() {
                     return Err(ApplyError::Malformed(
                         e,
@@ -453,13 +474,14 @@ impl Index {
         let mut blocks = 0u64;
         for (e, ev) in events.iter().enumerate() {
             let r = match ev {
-                Ev::Store { medium, group, ehs, tokens, bs, parent, lora, blk_ctx, kind, window } => {
+                Ev::Store(st) => {
+                    let (ehs, tokens, bs) = (st.ehs, st.tokens, st.bs);
                     let n = ehs.len();
                     if n == 0 {
                         continue;
                     }
-                    let engine = *bs <= 0 || tokens.is_empty();
-                    let shape = if engine { Some(Shape::Dense) } else { store_shape(tokens.len() / 4, *bs, n) };
+                    let engine = bs <= 0 || tokens.is_empty();
+                    let shape = if engine { Some(Shape::Dense) } else { store_shape(tokens.len() / 4, bs, n) };
                     let Some(shape) = shape else {
                         self.undo.clear();
                         return Err(ApplyError::Malformed(
@@ -468,19 +490,7 @@ impl Index {
                         ));
                     };
                     blocks += n as u64;
-                    self.store(
-                        rank,
-                        *medium,
-                        *group,
-                        ehs,
-                        tokens,
-                        if engine { 0 } else { *bs },
-                        *parent,
-                        *lora,
-                        *blk_ctx,
-                        shape == Shape::Sparse,
-                        (*kind, *window),
-                    )
+                    self.store(rank, &Store { bs: if engine { 0 } else { bs }, ..*st }, shape == Shape::Sparse)
                 }
                 Ev::Remove { medium, group, ehs } => {
                     if ehs.is_empty() {
@@ -503,21 +513,8 @@ impl Index {
         Ok(blocks)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn store(
-        &mut self,
-        rank: &RankId,
-        medium: Option<&str>,
-        group: i64,
-        ehs: &[u64],
-        tokens: &[u8],
-        bs: i64,
-        parent: Option<u64>,
-        lora: Option<&str>,
-        blk_ctx: Option<&[u64]>,
-        sparse: bool,
-        (kind, window): (Option<&str>, Option<i64>),
-    ) -> Result<(), ApplyError> {
+    fn store(&mut self, rank: &RankId, st: &Store, sparse: bool) -> Result<(), ApplyError> {
+        let Store { medium, group, ehs, tokens, bs, parent, lora, blk_ctx, kind, window } = *st;
         let l = self.table(rank, medium, group)?;
         let mut flags = 0u16;
         let mut keys = std::mem::take(&mut self.scratch);
@@ -816,7 +813,8 @@ impl Index {
             }
             let mut reached = 0usize;
             if self.media.len() == 1 {
-                reached = self.walk_one_medium(q, n, &ok, weights, &mut run_w, &mut score_w, &mut run_wm, &mut cnt);
+                let out = Runs { run_w: &mut run_w, score_w: &mut score_w, run_wm: &mut run_wm, cnt: &mut cnt };
+                reached = self.walk_one_medium(q, n, &ok, weights, out);
             }
             let mut ks = KeysAhead::new(q, n);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
@@ -1265,18 +1263,8 @@ impl Index {
     /// slots show holding), and a worker's run is set once, when it drops out.
     /// Scores are then run x the medium's weight. Fills run_w / score_w /
     /// run_wm like the general walk; returns the blocks anyone matched.
-    #[allow(clippy::too_many_arguments)]
-    fn walk_one_medium(
-        &self,
-        q: &Query,
-        n: usize,
-        ok: &[bool],
-        weights: &[f64],
-        run_w: &mut [u32],
-        score_w: &mut [f64],
-        run_wm: &mut [u32],
-        cnt: &mut [u32],
-    ) -> usize {
+    fn walk_one_medium(&self, q: &Query, n: usize, ok: &[bool], weights: &[f64], out: Runs) -> usize {
+        let Runs { run_w, score_w, run_wm, cnt } = out;
         let nwm = self.wm_worker.len();
         let words = nwm.div_ceil(64);
         let mut alive = vec![0u64; words];
@@ -1465,18 +1453,8 @@ impl Index {
 
     /// Install exported entries of one table. Err on a duplicate engine hash,
     /// a zero refcount or an S count ceiling: not a blob `export` wrote.
-    #[allow(clippy::too_many_arguments)]
-    pub fn import_table(
-        &mut self,
-        rank: &RankId,
-        medium: &str,
-        group: i64,
-        ehs: &[u64],
-        keys: &[u64],
-        metas: &[u16],
-        unknown: i64,
-        dups: i64,
-    ) -> Result<(), String> {
+    pub fn import_table(&mut self, rank: &RankId, t: &TableBlob) -> Result<(), String> {
+        let TableBlob { medium, group, ehs, keys, metas, unknown, dups } = *t;
         let l = self.table(rank, Some(medium), group).map_err(|_| "too many (rank, medium) pairs".to_string())?;
         if metas.iter().any(|&m| m & ENGINE == 0) {
             // The group's reach follows from the snapshot's group list (`set_group`); until then, full.
@@ -1537,7 +1515,7 @@ mod tests {
         let r = RankId { inst: "a", dp: 0, tp_rank: 0, tp_size: 1 };
         let t = toks(64);
         let ehs = [1u64, 2, 3, 4];
-        let ev = Ev::Store {
+        let ev = Ev::Store(Store {
             medium: None,
             group: 0,
             ehs: &ehs,
@@ -1548,7 +1526,7 @@ mod tests {
             blk_ctx: None,
             kind: None,
             window: None,
-        };
+        });
         assert_eq!(ix.apply(&r, &[ev], true), Ok(4));
         assert_eq!(ix.holder_blocks(), 4);
         let ctx = Ctx::One(ix.context(None));
@@ -1559,7 +1537,7 @@ mod tests {
         let one = [9u64];
         let t16 = &t[..64];
         for _ in 0..REF_MASK {
-            let ev = Ev::Store {
+            let ev = Ev::Store(Store {
                 medium: None,
                 group: 0,
                 ehs: &one,
@@ -1570,7 +1548,7 @@ mod tests {
                 blk_ctx: None,
                 kind: None,
                 window: None,
-            };
+            });
             ix.apply(&r, &[ev], true).unwrap();
         }
         let before = (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups);
@@ -1578,7 +1556,7 @@ mod tests {
         let evs = [
             Ev::Remove { medium: None, group: 0, ehs: &rmv },
             Ev::Clear,
-            Ev::Store {
+            Ev::Store(Store {
                 medium: None,
                 group: 0,
                 ehs: &one,
@@ -1589,8 +1567,8 @@ mod tests {
                 blk_ctx: None,
                 kind: None,
                 window: None,
-            },
-            Ev::Store {
+            }),
+            Ev::Store(Store {
                 medium: None,
                 group: 0,
                 ehs: &one,
@@ -1601,13 +1579,13 @@ mod tests {
                 blk_ctx: None,
                 kind: None,
                 window: None,
-            },
+            }),
         ];
         // After the clear the hash is new, so this record does not overflow...
         assert!(ix.apply(&r, &evs, true).is_ok());
         // ...but stores past the ceiling without a clear do, and leave nothing behind.
         for _ in 0..REF_MASK - 2 {
-            let ev = Ev::Store {
+            let ev = Ev::Store(Store {
                 medium: None,
                 group: 0,
                 ehs: &one,
@@ -1618,14 +1596,14 @@ mod tests {
                 blk_ctx: None,
                 kind: None,
                 window: None,
-            };
+            });
             ix.apply(&r, &[ev], true).unwrap();
         }
         let before2 = (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups, ix.stats()[0].unknown);
         let evs = [
             Ev::Remove { medium: None, group: 0, ehs: &[77] },
             Ev::Remove { medium: None, group: 0, ehs: &one },
-            Ev::Store {
+            Ev::Store(Store {
                 medium: None,
                 group: 0,
                 ehs: &one,
@@ -1636,8 +1614,8 @@ mod tests {
                 blk_ctx: None,
                 kind: None,
                 window: None,
-            },
-            Ev::Store {
+            }),
+            Ev::Store(Store {
                 medium: None,
                 group: 0,
                 ehs: &one,
@@ -1648,7 +1626,7 @@ mod tests {
                 blk_ctx: None,
                 kind: None,
                 window: None,
-            },
+            }),
         ];
         assert_eq!(ix.apply(&r, &evs, true), Err(ApplyError::Overflow));
         assert_eq!(before2, (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups, ix.stats()[0].unknown));

@@ -26,30 +26,67 @@ use std::borrow::Cow;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
 use crate::decode;
-use crate::fence::{Fence, RankState, Stamp, Verdict};
-use crate::index::{ApplyError, Ev, Index, RankId};
+use crate::fence::{Fence, RankState, Stamp, Verdict, RETIRED_EPOCHS};
+use crate::index::{ApplyError, Ev, Index, RankId, Store};
 use crate::keys::{self, Key};
-use crate::py_index::{wait_borrow, PyIndex};
+use crate::py_index::{wait_borrow, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// Why a record was dead-lettered after its bytes decoded.
 const OVERFLOW_REASON: &str =
     "apply failed: IndexOverflow: reference count ceiling reached; the events were not applied";
 
-/// What one record did, for the counters.
-#[derive(Default)]
-struct Tally {
-    records: u64,
-    duplicates: u64,
-    stale: u64,
-    gaps: i64,
-    resets: u64,
-    blocks: u64,
-    events: u64,
-    max_lag_us: Option<i64>,
+/// What the records of one call did, for the counters (`Applier._account`).
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+#[derive(Clone, Default)]
+pub struct Tally {
+    pub records: u64,
+    pub duplicates: u64,
+    pub stale: u64,
+    /// Records lost upstream, as the producers' gap fields count them.
+    pub gaps: i64,
+    pub resets: u64,
+    pub blocks: u64,
+    pub events: u64,
+    /// The oldest applied record's lag; None when none was applied.
+    pub max_lag_us: Option<i64>,
+}
+
+#[pymethods]
+impl Tally {
+    /// A tally counted outside the core (`Applier` over an index model, in tests).
+    #[new]
+    #[pyo3(signature = (*, records=0, duplicates=0, stale=0, gaps=0, resets=0, blocks=0, events=0, max_lag_us=None))]
+    #[allow(clippy::too_many_arguments)] // one keyword per field: Python names each one it sets
+    fn new(
+        records: u64,
+        duplicates: u64,
+        stale: u64,
+        gaps: i64,
+        resets: u64,
+        blocks: u64,
+        events: u64,
+        max_lag_us: Option<i64>,
+    ) -> Self {
+        Tally { records, duplicates, stale, gaps, resets, blocks, events, max_lag_us }
+    }
+}
+
+/// What `apply_events` did with a record's events.
+#[pyclass(module = "kvwire._core", eq, eq_int, frozen)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyStatus {
+    #[pyo3(name = "APPLIED")]
+    Applied,
+    /// A malformed event: nothing applied, or with `atomic=False` the events before it.
+    #[pyo3(name = "MALFORMED")]
+    Malformed,
+    /// A reference count reached its ceiling: nothing applied.
+    #[pyo3(name = "OVERFLOW")]
+    Overflow,
 }
 
 /// Outcome of applying one fenced record.
@@ -191,7 +228,7 @@ fn events<'a>(rec: &'a Record, o: &'a Owned) -> Vec<Ev<'a>> {
         .iter()
         .enumerate()
         .map(|(i, e)| match e {
-            Event::Stored(s) => Ev::Store {
+            Event::Stored(s) => Ev::Store(Store {
                 medium: s.medium,
                 group: s.group_idx.unwrap_or(0) as i64,
                 ehs: &o.ehs[i],
@@ -202,7 +239,7 @@ fn events<'a>(rec: &'a Record, o: &'a Owned) -> Vec<Ev<'a>> {
                 blk_ctx: o.ctx[i].as_deref(),
                 kind: s.kv_cache_spec_kind,
                 window: s.kv_cache_spec_sliding_window.map(i64::from),
-            },
+            }),
             Event::Removed(r) => {
                 Ev::Remove { medium: r.medium, group: r.group_idx.unwrap_or(0) as i64, ehs: &o.ehs[i] }
             }
@@ -231,10 +268,6 @@ pub fn is_approximate(source: &str) -> bool {
     source.ends_with("/approximate")
 }
 
-fn tally_tuple<'py>(py: Python<'py>, t: &Tally) -> PyResult<Bound<'py, PyTuple>> {
-    (t.records, t.duplicates, t.stale, t.gaps, t.resets, t.blocks, t.events, t.max_lag_us).into_pyobject(py)
-}
-
 /// The shipped writer version a registry id stands for, from `codec.SchemaIds.shipped()`.
 fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
     schema_ids?.get_item(id).ok()??.extract().ok()
@@ -246,11 +279,12 @@ fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
 /// (next index, declined: bool, tally, dead letters [(index, reason)],
 /// workers seen [(instance_id, dp_rank)]). With `declined`, `records[next]`
 /// is the declined one (not consumed).
+/// What `apply_poll` returns: (next index, declined, tally, dead letters, workers seen).
+type Poll = (usize, bool, Tally, Vec<(usize, String)>, Vec<(String, i64)>);
+
 #[pyfunction]
 #[pyo3(signature = (index, fence, records, start, budget_us, now_us, schema_ids=None))]
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 pub fn apply_poll<'py>(
-    py: Python<'py>,
     index: &Bound<'py, PyIndex>,
     fence: &Bound<'py, PyFence>,
     records: &Bound<'py, PyList>,
@@ -258,10 +292,12 @@ pub fn apply_poll<'py>(
     budget_us: u64,
     now_us: i64,
     schema_ids: Option<&Bound<'py, PyDict>>,
-) -> PyResult<(usize, bool, Bound<'py, PyTuple>, Vec<(usize, String)>, Vec<(String, i64)>)> {
-    let mut ixg = index.borrow_mut();
+) -> PyResult<Poll> {
+    let py = index.py();
+    let ixg = index.borrow_mut();
     let mut fg = fence.borrow_mut();
-    let ix = &mut ixg.ix;
+    let mut ixw = ixg.write(py);
+    let ix = &mut *ixw;
     let f = &mut fg.fence;
     let t0 = std::time::Instant::now();
     let mut t = Tally::default();
@@ -274,10 +310,10 @@ pub fn apply_poll<'py>(
         let item = records.get_item(i)?;
         let value = if item.is_instance_of::<PyBytes>() { item } else { item.getattr(value_attr)? };
         let Ok(b) = value.cast::<PyBytes>() else {
-            return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
+            return Ok((i, true, t, dead, seen));
         };
         let Ok(rec) = decode::decode_framed(b.as_bytes(), |id| version_of(schema_ids, id)) else {
-            return Ok((i, true, tally_tuple(py, &t)?, dead, seen));
+            return Ok((i, true, t, dead, seen));
         };
         let o = own(&rec, ix);
         let mut evs = events(&rec, &o);
@@ -302,28 +338,28 @@ pub fn apply_poll<'py>(
             break;
         }
     }
-    Ok((i, false, tally_tuple(py, &t)?, dead, seen))
+    Ok((i, false, t, dead, seen))
 }
 
 /// Apply one record's events to its rank without the fence (`PrefixIndex.apply_batch`, which
 /// encodes the events it is given). With `atomic`, a malformed event applies nothing.
-/// Returns (status, blocks, message): 0 applied, 1 malformed event, 2 count ceiling
-/// (nothing applied). Raises ValueError for bytes the fast decoder declines.
+/// Returns (status, blocks, message). Raises ValueError for bytes the fast decoder declines.
 #[pyfunction]
-pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(u8, u64, String)> {
+pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(ApplyStatus, u64, String)> {
     let rec =
         decode::decode(value).map_err(|d| PyValueError::new_err(format!("not a record the core decodes: {d}")))?;
-    let mut ixg = index.borrow_mut();
-    let ix = &mut ixg.ix;
+    let ixg = index.borrow_mut();
+    let mut ixw = ixg.write(index.py());
+    let ix = &mut *ixw;
     let o = own(&rec, ix);
     let evs = events(&rec, &o);
     let w = &rec.worker;
     let rank =
         RankId { inst: w.instance_id, dp: w.dp_rank.into(), tp_rank: w.tp_rank.into(), tp_size: w.tp_size.into() };
     Ok(match ix.apply(&rank, &evs, atomic) {
-        Ok(n) => (0, n, String::new()),
-        Err(ApplyError::Malformed(_, m)) => (1, 0, m),
-        Err(ApplyError::Overflow) => (2, 0, String::new()),
+        Ok(n) => (ApplyStatus::Applied, n, String::new()),
+        Err(ApplyError::Malformed(_, m)) => (ApplyStatus::Malformed, 0, m),
+        Err(ApplyError::Overflow) => (ApplyStatus::Overflow, 0, String::new()),
     })
 }
 
@@ -343,24 +379,25 @@ impl PyFence {
         Self::default()
     }
 
-    /// The verdict (0 apply, 1 reset, 2 duplicate, 3 stale epoch) for one record.
-    #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, source=""))]
-    #[allow(clippy::too_many_arguments)]
-    fn admit(
-        &mut self,
-        inst: &str,
-        dp: i64,
-        tp_rank: i64,
-        tp_size: i64,
-        epoch: i64,
-        seq: i64,
-        ts_us: i64,
-        reset: bool,
-        gap: i64,
-        source: &str,
-    ) -> u8 {
-        let approximate = is_approximate(source);
-        self.fence.admit(&Stamp { inst, dp, tp_rank, tp_size, epoch, seq, ts_us, reset, gap, approximate }) as u8
+    /// The verdict for one record (an `EventBatch`; its events are not read).
+    fn admit(&mut self, batch: &Bound<'_, PyAny>) -> PyResult<Verdict> {
+        let py = batch.py();
+        let w = batch.getattr(pyo3::intern!(py, "worker"))?;
+        let inst = w.getattr(pyo3::intern!(py, "instance_id"))?.cast_into::<PyString>()?;
+        let source = batch.getattr(pyo3::intern!(py, "source"))?.cast_into::<PyString>()?;
+        let stamp = Stamp {
+            inst: inst.to_str()?,
+            dp: w.getattr(pyo3::intern!(py, "dp_rank"))?.extract()?,
+            tp_rank: w.getattr(pyo3::intern!(py, "tp_rank"))?.extract()?,
+            tp_size: w.getattr(pyo3::intern!(py, "tp_size"))?.extract()?,
+            epoch: batch.getattr(pyo3::intern!(py, "epoch"))?.extract()?,
+            seq: batch.getattr(pyo3::intern!(py, "seq"))?.extract()?,
+            ts_us: batch.getattr(pyo3::intern!(py, "ts_us"))?.extract()?,
+            reset: batch.getattr(pyo3::intern!(py, "reset"))?.extract()?,
+            gap: batch.getattr(pyo3::intern!(py, "gap"))?.extract()?,
+            approximate: is_approximate(source.to_str()?),
+        };
+        Ok(self.fence.admit(&stamp))
     }
 
     fn approximate_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
@@ -429,36 +466,31 @@ impl PyFence {
         this.fence.tp_sizes().map(|(i, d, t)| (i.to_owned(), d, t)).collect()
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (inst, dp, tp_rank, tp_size, epoch, last_seq, trusted, reason, last_seen_us, retired, records, gaps, approximate=false))]
-    fn restore(
-        &mut self,
-        inst: &str,
-        dp: i64,
-        tp_rank: i64,
-        tp_size: i64,
-        epoch: i64,
-        last_seq: i64,
-        trusted: bool,
-        reason: String,
-        last_seen_us: i64,
-        retired: Vec<i64>,
-        records: i64,
-        gaps: i64,
-        approximate: bool,
-    ) {
+    /// Install a rank's state as a snapshot recorded it (`rank_state.RankState`); of its
+    /// retired epochs only the newest `RETIRED_EPOCHS` are kept.
+    fn restore(&mut self, rank: (String, i64, i64), tp_size: i64, state: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (inst, dp, tp_rank) = rank;
+        let py = state.py();
+        let mut retired = std::collections::VecDeque::new();
+        for e in state.getattr(pyo3::intern!(py, "retired"))?.try_iter()? {
+            retired.push_back(e?.extract::<i64>()?);
+            if retired.len() > RETIRED_EPOCHS {
+                retired.pop_front();
+            }
+        }
         let st = RankState {
-            epoch,
-            last_seq,
-            trusted,
-            last_seen_us,
-            retired: retired.into(),
-            reason,
-            records,
-            gaps,
-            approximate,
+            epoch: state.getattr(pyo3::intern!(py, "epoch"))?.extract()?,
+            last_seq: state.getattr(pyo3::intern!(py, "last_seq"))?.extract()?,
+            trusted: state.getattr(pyo3::intern!(py, "trusted"))?.extract()?,
+            last_seen_us: state.getattr(pyo3::intern!(py, "last_seen_us"))?.extract()?,
+            retired,
+            reason: state.getattr(pyo3::intern!(py, "untrusted_reason"))?.extract()?,
+            records: state.getattr(pyo3::intern!(py, "records"))?.extract()?,
+            gaps: state.getattr(pyo3::intern!(py, "gaps"))?.extract()?,
+            approximate: state.getattr(pyo3::intern!(py, "approximate"))?.extract()?,
         };
-        self.fence.restore(inst, dp, tp_rank, st, tp_size);
+        self.fence.restore(&inst, dp, tp_rank, st, tp_size);
+        Ok(())
     }
 }
 
@@ -477,11 +509,22 @@ pub fn score_trusted<'py>(
         let f = wait_borrow(fence);
         (PyList::new(py, f.fence.untrusted_workers())?, PyList::new(py, f.fence.approximate_workers())?)
     };
-    PyIndex::score(index, py, queries, None, None, Some(untrusted.as_any()), top_k, as_json, Some(approx.as_any()))
+    let how = ScoreArgs {
+        weights: None,
+        workers: None,
+        exclude: Some(untrusted.as_any()),
+        approximate: Some(approx.as_any()),
+        top_k,
+        as_json,
+    };
+    PyIndex::score_with(index, queries, &how)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFence>()?;
+    m.add_class::<Verdict>()?;
+    m.add_class::<Tally>()?;
+    m.add_class::<ApplyStatus>()?;
     m.add_function(wrap_pyfunction!(apply_poll, m)?)?;
     m.add_function(wrap_pyfunction!(apply_events, m)?)?;
     m.add_function(wrap_pyfunction!(score_trusted, m)?)?;

@@ -5,15 +5,13 @@
 //! little-endian machine words (numpy reads them without a copy) and buffers
 //! (array('I'), numpy, bytes) are read in place.
 
-use std::cell::UnsafeCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
-use crate::index::{Index, Query, RankId, Scores};
+use crate::index::{Index, Query, RankId, Scores, TableBlob};
 use crate::keys::{self, Ctx};
 
 /// A contiguous buffer's bytes, held for as long as this lives.
@@ -43,7 +41,10 @@ impl RawBuf {
 
 impl Drop for RawBuf {
     fn drop(&mut self) {
-        // SAFETY: obtained by PyObject_GetBuffer; the GIL is held wherever a RawBuf lives.
+        // SAFETY: obtained by PyObject_GetBuffer. A RawBuf is made and dropped with the GIL
+        // held; in between its bytes may be read without it (a score's walk): the exporter
+        // keeps them in place until the release, and kvwire's callers do not write to a
+        // query's buffer while it is scored.
         unsafe { pyo3::ffi::PyBuffer_Release(&mut *self.view) }
     }
 }
@@ -59,90 +60,16 @@ pub(crate) fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) 
 
 /// The index, shared between its writers and scores that run without the GIL.
 ///
-/// How a reader sees a whole record or none: every write reaches the index through
-/// `&mut PyIndex` (pyo3's exclusive borrow, which any other borrow of the object
-/// excludes), and applies a record whole inside one such call. A score registers as a
-/// reader while it holds a *shared* borrow under the GIL (so no write is in progress),
-/// then drops the borrow, releases the GIL and walks the index through this `Arc`. A
-/// writer's first `DerefMut` waits until the registered readers are done; no new reader
-/// can register while it holds its exclusive borrow. So a score sees the index as it was
-/// between two write calls, and several scores run at once, beside ingest's Python work.
-/// The index lives behind the `Arc` (not inline in the Python object) so a writer's
-/// `&mut PyIndex` never covers memory a detached reader is reading.
-pub struct Shared(Arc<SharedInner>);
-
-struct SharedInner {
-    ix: UnsafeCell<Index>,
-    readers: AtomicUsize,
-    idle: Mutex<()>,
-    done: Condvar,
-}
-
-// SAFETY: `ix` is read by many threads only while no `&mut` to it exists (readers are
-// registered under a shared borrow of the PyIndex and writers wait for them to finish,
-// see `Shared`), and written only through `DerefMut`, which waits for the readers.
-unsafe impl Sync for SharedInner {}
-
-impl Shared {
-    pub fn new(ix: Index) -> Self {
-        Shared(Arc::new(SharedInner {
-            ix: UnsafeCell::new(ix),
-            readers: AtomicUsize::new(0),
-            idle: Mutex::new(()),
-            done: Condvar::new(),
-        }))
-    }
-
-    /// Register a reader; only under a shared borrow of the PyIndex (so no writer is
-    /// inside a call). The guard may then cross into `Python::detach`.
-    fn read(&self) -> ReadGuard {
-        self.0.readers.fetch_add(1, Ordering::SeqCst);
-        ReadGuard(Arc::clone(&self.0))
-    }
-}
-
-impl std::ops::Deref for Shared {
-    type Target = Index;
-    fn deref(&self) -> &Index {
-        // SAFETY: `&Shared` comes from a borrow of the PyIndex; a writer needs the exclusive
-        // one, so only readers exist now.
-        unsafe { &*self.0.ix.get() }
-    }
-}
-
-impl std::ops::DerefMut for Shared {
-    fn deref_mut(&mut self) -> &mut Index {
-        let inner = &*self.0;
-        if inner.readers.load(Ordering::SeqCst) != 0 {
-            let mut g = inner.idle.lock().unwrap_or_else(|e| e.into_inner());
-            while inner.readers.load(Ordering::SeqCst) != 0 {
-                g = inner.done.wait(g).unwrap_or_else(|e| e.into_inner());
-            }
-        }
-        // SAFETY: no reader is registered, and none can register while `&mut self` (the
-        // exclusive borrow of the PyIndex) lives, which bounds the returned reference.
-        unsafe { &mut *inner.ix.get() }
-    }
-}
-
-/// A registered reader: the index, read-only, with or without the GIL.
-struct ReadGuard(Arc<SharedInner>);
-
-impl ReadGuard {
-    fn index(&self) -> &Index {
-        // SAFETY: while this guard lives, writers wait in `DerefMut` (see `Shared`).
-        unsafe { &*self.0.ix.get() }
-    }
-}
-
-impl Drop for ReadGuard {
-    fn drop(&mut self) {
-        if self.0.readers.fetch_sub(1, Ordering::SeqCst) == 1 {
-            let _g = self.0.idle.lock().unwrap_or_else(|e| e.into_inner());
-            self.0.done.notify_all();
-        }
-    }
-}
+/// How a reader sees a whole record or none: writers take the write lock inside one call
+/// and apply a record whole before they let it go. Two rules keep the lock from meeting
+/// the GIL in a deadlock: a writer that has to wait for readers waits without the GIL
+/// (`PyIndex::write`), and a reader takes its lock only under a shared borrow of the
+/// PyIndex, which a writer's exclusive borrow excludes, so under the GIL it never waits.
+/// A score then releases the GIL and walks the index under its read lock: it sees the
+/// index as it was between two write calls, and several scores run at once, beside
+/// ingest's Python work. The index lives behind the `Arc` (not inline in the Python object)
+/// so a reader holds it without holding a borrow of the Python object.
+type Shared = Arc<RwLock<Index>>;
 
 /// A shared borrow of a core object from a thread that may meet a write call in progress:
 /// an apply call holds its exclusive borrow while it runs Python code (a declined record's
@@ -157,17 +84,71 @@ pub(crate) fn wait_borrow<'py, T: pyo3::PyClass>(slf: &Bound<'py, T>) -> PyRef<'
     }
 }
 
+/// One score query, as Python builds it (`consumer.index.PrefixIndex`): token ids, hashed
+/// here in blocks of `block_size` under their per-block extra keys and LoRA, or keys
+/// computed before, each worth `tokens_per_key` tokens.
+#[pyclass(module = "kvwire._core", frozen)]
+pub enum ScoreQuery {
+    Tokens { tokens: Py<PyAny>, block_size: i64, extra_keys: Option<Py<PyAny>>, lora_name: Option<String> },
+    Keys { keys: Py<PyAny>, tokens_per_key: i64 },
+}
+
+/// How a score call filters, weighs and returns its scores.
+#[derive(Clone, Copy)]
+pub struct ScoreArgs<'a, 'py> {
+    pub weights: Option<&'a Bound<'py, PyDict>>,
+    pub workers: Option<&'a Bound<'py, PyAny>>,
+    pub exclude: Option<&'a Bound<'py, PyAny>>,
+    /// Workers whose JSON entries are marked approximate.
+    pub approximate: Option<&'a Bound<'py, PyAny>>,
+    pub top_k: Option<usize>,
+    pub as_json: bool,
+}
+
+/// A worker's `stats()`: (inst, dp, tp_size, ranks, blocks per medium, entries, orphans,
+/// unknown removes, duplicate stores), the fields of `consumer.index.WorkerStats`.
+type StatsRow = (String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64);
+
+/// `export_workers`: the blob header's table rows, then engine hashes, keys and metas.
+type Exported<'py> = (
+    Vec<(String, i64, u32, i64, String, i64, i64, i64, i64)>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
+
 #[pyclass(module = "kvwire._core", name = "Index")]
 pub struct PyIndex {
-    pub ix: Shared,
+    ix: Shared,
     weights: std::collections::HashMap<String, f64>,
     default_weight: f64,
 }
 
 impl PyIndex {
-    pub fn weights_for(&self, over: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<f64>> {
-        let mut out = Vec::with_capacity(self.ix.media.len());
-        for m in &self.ix.media {
+    /// The index to change. Only under the exclusive borrow of the PyIndex (so no reader can
+    /// start meanwhile); waits for the running scores without the GIL, which they may need
+    /// to finish.
+    pub fn write(&self, py: Python<'_>) -> RwLockWriteGuard<'_, Index> {
+        loop {
+            match self.ix.try_write() {
+                Ok(g) => return g,
+                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
+                Err(TryLockError::WouldBlock) => {
+                    let lock: &RwLock<Index> = &self.ix;
+                    py.detach(|| drop(lock.write()));
+                }
+            }
+        }
+    }
+
+    /// The index to read. Only under a borrow of the PyIndex: no writer holds the lock then.
+    pub fn read(&self) -> RwLockReadGuard<'_, Index> {
+        self.ix.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub fn weights_for(&self, ix: &Index, over: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<f64>> {
+        let mut out = Vec::with_capacity(ix.media.len());
+        for m in &ix.media {
             let mut w = *self.weights.get(m).unwrap_or(&self.default_weight);
             if let Some(d) = over {
                 if let Some(v) = d.get_item(m)? {
@@ -182,11 +163,11 @@ impl PyIndex {
         Ok(out)
     }
 
-    pub fn mask(&self, workers: &Bound<'_, PyAny>, keep: bool) -> PyResult<Vec<bool>> {
-        let mut m = vec![!keep; self.ix.workers.len()];
+    pub fn mask(ix: &Index, workers: &Bound<'_, PyAny>, keep: bool) -> PyResult<Vec<bool>> {
+        let mut m = vec![!keep; ix.workers.len()];
         for w in workers.try_iter()? {
             let (inst, dp): (String, i64) = w?.extract()?;
-            if let Some(id) = self.ix.worker_id(&inst, dp) {
+            if let Some(id) = ix.worker_id(&inst, dp) {
                 m[id as usize] = keep;
             }
         }
@@ -277,6 +258,102 @@ pub fn scores_json(ix: &Index, s: &Scores, approx: Option<&[bool]>) -> String {
     out
 }
 
+impl PyIndex {
+    /// `score`'s work, also for `score_trusted`, which marks approximate workers.
+    pub fn score_with<'py>(
+        slf: &Bound<'py, Self>,
+        queries: &Bound<'py, PyList>,
+        how: &ScoreArgs<'_, 'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let ScoreArgs { weights, workers, exclude, approximate, top_k, as_json } = *how;
+        let mut qs_in = Vec::with_capacity(queries.len());
+        for q in queries.iter() {
+            qs_in.push(q.cast_into::<ScoreQuery>()?);
+        }
+        let mut bufs = vec![];
+        // Per query: the precomputed keys, or the per-block contexts of tokens (None when
+        // every block's context is the sequence's).
+        let mut words: Vec<Option<Vec<u64>>> = vec![];
+        let mut meta = vec![];
+        for q in &qs_in {
+            match q.get() {
+                ScoreQuery::Tokens { tokens, block_size, extra_keys, lora_name } => {
+                    let buf = RawBuf::get(tokens.bind(py))?;
+                    let n = *block_size;
+                    let base = keys::context_seed(lora_name.as_deref());
+                    let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
+                    let extra = match extra_keys {
+                        Some(x) => x.bind(py).clone(),
+                        None => py.None().into_bound(py),
+                    };
+                    words.push(crate::py_keys::contexts(&extra, lora_name.as_deref(), base, blocks)?);
+                    meta.push((true, n, base));
+                    bufs.push(buf);
+                }
+                ScoreQuery::Keys { keys, tokens_per_key } => {
+                    let buf = RawBuf::get(keys.bind(py))?;
+                    words.push(Some(words_u64(buf.bytes())));
+                    meta.push((false, *tokens_per_key, 0));
+                    bufs.push(buf);
+                }
+            }
+        }
+        let mut qs = vec![];
+        for (i, &(tok, n, base)) in meta.iter().enumerate() {
+            if tok {
+                if n <= 0 {
+                    continue;
+                }
+                let ctx = match &words[i] {
+                    Some(c) => Ctx::PerBlock(c),
+                    None => Ctx::One(base),
+                };
+                qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: n as usize, ctx });
+            } else {
+                qs.push(Query::Keys { keys: words[i].as_deref().unwrap_or(&[]), scale: n });
+            }
+        }
+        // Weights, mask and the read lock in one GIL-held step: they see the same index
+        // the walk will.
+        let (wts, mask, approx, shared) = {
+            let this = wait_borrow(slf);
+            let ix = this.read();
+            let wts = this.weights_for(&ix, weights)?;
+            let mut mask = match workers {
+                Some(w) => Some(Self::mask(&ix, w, true)?),
+                None => None,
+            };
+            if let Some(x) = exclude {
+                let ex = Self::mask(&ix, x, false)?;
+                mask = Some(match mask {
+                    Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
+                    None => ex,
+                });
+            }
+            let approx = match approximate {
+                Some(a) => Some(Self::mask(&ix, a, true)?),
+                None => None,
+            };
+            (wts, mask, approx, Arc::clone(&this.ix))
+        };
+        // Taken before the borrow above ends would do as well: no Python code runs in between,
+        // so no writer can.
+        let reader = shared.read().unwrap_or_else(PoisonError::into_inner);
+        let ix: &Index = &reader;
+        let (s, json) = py.detach(|| {
+            let s = ix.score(&qs, &wts, mask.as_deref(), top_k);
+            let json = if as_json { Some(scores_json(ix, &s, approx.as_deref())) } else { None };
+            (s, json)
+        });
+        drop(reader);
+        if let Some(j) = json {
+            return Ok(PyBytes::new(py, j.as_bytes()).into_any());
+        }
+        Ok(scores_tuple(py, &s)?.into_any())
+    }
+}
+
 #[pymethods]
 impl PyIndex {
     #[new]
@@ -297,144 +374,66 @@ impl PyIndex {
         if let Some(n) = holder_sets_at {
             ix.s.promote = n.max(1);
         }
-        PyIndex { ix: Shared::new(ix), weights, default_weight }
+        PyIndex { ix: Arc::new(RwLock::new(ix)), weights, default_weight }
     }
 
-    fn clear(&mut self, inst: &str, dp: i64, tp_rank: i64) {
-        self.ix.clear_rank(inst, dp, tp_rank, false);
+    fn clear(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+        self.write(py).clear_rank(inst, dp, tp_rank, false);
     }
 
-    fn drop_rank(&mut self, inst: &str, dp: i64, tp_rank: i64) {
-        self.ix.drop_rank(inst, dp, tp_rank);
+    fn drop_rank(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+        self.write(py).drop_rank(inst, dp, tp_rank);
     }
 
-    fn drop_worker(&mut self, inst: &str, dp: i64) {
-        self.ix.drop_worker(inst, dp);
+    fn drop_worker(&mut self, py: Python<'_>, inst: &str, dp: i64) {
+        self.write(py).drop_worker(inst, dp);
     }
 
-    /// Score queries, each ("t", tokens buffer, block_size, extra keys | None, lora)
-    /// or ("k", keys bytes, tokens per key); returns `scores_tuple` arrays,
-    /// or the JSON list when `as_json`. The walk runs without the GIL (see `Shared`).
-    /// `approximate`: workers whose JSON entries are marked approximate.
-    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false, approximate=None))]
-    #[allow(clippy::too_many_arguments)]
+    /// Score queries (`ScoreQuery`); returns `scores_tuple` arrays, or the JSON list when
+    /// `as_json`. The walk runs without the GIL (see `Shared`).
+    #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
     pub fn score<'py>(
         slf: &Bound<'py, Self>,
-        py: Python<'py>,
         queries: &Bound<'py, PyList>,
         weights: Option<&Bound<'py, PyDict>>,
         workers: Option<&Bound<'py, PyAny>>,
         exclude: Option<&Bound<'py, PyAny>>,
         top_k: Option<usize>,
         as_json: bool,
-        approximate: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut bufs = vec![];
-        // Per query: the precomputed keys ("k") or the per-block contexts ("t"), None
-        // when every block's context is the sequence's.
-        let mut words: Vec<Option<Vec<u64>>> = vec![];
-        let mut meta = vec![];
-        for q in queries.iter() {
-            let t = q.cast::<PyTuple>()?;
-            let kind: String = t.get_item(0)?.extract()?;
-            let buf = RawBuf::get(&t.get_item(1)?)?;
-            let n: i64 = t.get_item(2)?.extract()?;
-            if kind == "t" {
-                let lora: Option<String> = t.get_item(4)?.extract()?;
-                let base = keys::context_seed(lora.as_deref());
-                let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
-                let extra = t.get_item(3)?;
-                words.push(crate::py_keys::contexts(&extra, lora.as_deref(), base, blocks)?);
-                meta.push((true, n, base));
-            } else {
-                words.push(Some(words_u64(buf.bytes())));
-                meta.push((false, n, 0));
-            }
-            bufs.push(buf);
-        }
-        let mut qs = vec![];
-        for (i, &(tok, n, base)) in meta.iter().enumerate() {
-            if tok {
-                if n <= 0 {
-                    continue;
-                }
-                let ctx = match &words[i] {
-                    Some(c) => Ctx::PerBlock(c),
-                    None => Ctx::One(base),
-                };
-                qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: n as usize, ctx });
-            } else {
-                qs.push(Query::Keys { keys: words[i].as_deref().unwrap_or(&[]), scale: n });
-            }
-        }
-        // Weights, mask and the reader registration in one GIL-held step: they see the
-        // same index the walk will.
-        let (wts, mask, approx, reader) = {
-            let this = loop {
-                match slf.try_borrow() {
-                    Ok(b) => break b,
-                    // A writer holds the index across Python code (never expected): let it finish.
-                    Err(_) => py.detach(std::thread::yield_now),
-                }
-            };
-            let wts = this.weights_for(weights)?;
-            let mut mask = match workers {
-                Some(w) => Some(this.mask(w, true)?),
-                None => None,
-            };
-            if let Some(x) = exclude {
-                let ex = this.mask(x, false)?;
-                mask = Some(match mask {
-                    Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
-                    None => ex,
-                });
-            }
-            let approx = match approximate {
-                Some(a) => Some(this.mask(a, true)?),
-                None => None,
-            };
-            (wts, mask, approx, this.ix.read())
-        };
-        let (s, json) = py.detach(move || {
-            let ix = reader.index();
-            let s = ix.score(&qs, &wts, mask.as_deref(), top_k);
-            let json = if as_json { Some(scores_json(ix, &s, approx.as_deref())) } else { None };
-            (s, json)
-            // `reader` drops here, before the GIL is taken back: a waiting writer goes on.
-        });
-        if let Some(j) = json {
-            return Ok(PyBytes::new(py, j.as_bytes()).into_any());
-        }
-        Ok(scores_tuple(py, &s)?.into_any())
+        let how = ScoreArgs { weights, workers, exclude, approximate: None, top_k, as_json };
+        Self::score_with(slf, queries, &how)
     }
 
     /// (instance_id, dp_rank) of every worker id ever seen, by id.
     fn worker_names(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
         let this = wait_borrow(slf);
-        this.ix.workers.iter().map(|w| (w.inst.clone(), w.dp)).collect()
+        let ix = this.read();
+        ix.workers.iter().map(|w| (w.inst.clone(), w.dp)).collect()
     }
 
     fn media(slf: &Bound<'_, Self>) -> Vec<String> {
         let this = wait_borrow(slf);
-        this.ix.media.clone()
+        let ix = this.read();
+        ix.media.clone()
     }
 
     /// (instance_id, dp_rank, medium) of every wm, by id.
     fn wm_names(slf: &Bound<'_, Self>) -> Vec<(String, i64, String)> {
         let this = wait_borrow(slf);
-        (0..this.ix.wm_worker.len())
+        let ix = this.read();
+        (0..ix.wm_worker.len())
             .map(|wm| {
-                let w = &this.ix.workers[this.ix.wm_worker[wm] as usize];
-                (w.inst.clone(), w.dp, this.ix.media[this.ix.wm_medium[wm] as usize].clone())
+                let w = &ix.workers[ix.wm_worker[wm] as usize];
+                (w.inst.clone(), w.dp, ix.media[ix.wm_medium[wm] as usize].clone())
             })
             .collect()
     }
 
-    #[allow(clippy::type_complexity)]
-    fn stats(slf: &Bound<'_, Self>) -> Vec<(String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64)> {
+    fn stats(slf: &Bound<'_, Self>) -> Vec<StatsRow> {
         let this = wait_borrow(slf);
-        this.ix
-            .stats()
+        let ix = this.read();
+        ix.stats()
             .into_iter()
             .map(|s| (s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown, s.dups))
             .collect()
@@ -443,9 +442,10 @@ impl PyIndex {
     /// (wm ids, keys) of every holder-block, as u32 and u64 bytes.
     fn holder_keys<'py>(slf: &Bound<'py, Self>, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
         let this = wait_borrow(slf);
+        let ix = this.read();
         let mut wms: Vec<u8> = vec![];
         let mut ks = vec![];
-        this.ix.holder_keys(|k, wm| {
+        ix.holder_keys(|k, wm| {
             wms.extend_from_slice(&wm.to_le_bytes());
             ks.push(k);
         });
@@ -454,27 +454,32 @@ impl PyIndex {
 
     fn __len__(slf: &Bound<'_, Self>) -> usize {
         let this = wait_borrow(slf);
-        this.ix.holder_blocks()
+        let ix = this.read();
+        ix.holder_blocks()
     }
 
     fn entries(slf: &Bound<'_, Self>) -> i64 {
         let this = wait_borrow(slf);
-        this.ix.entries()
+        let ix = this.read();
+        ix.entries()
     }
 
     fn nbytes(slf: &Bound<'_, Self>) -> usize {
         let this = wait_borrow(slf);
-        this.ix.nbytes()
+        let ix = this.read();
+        ix.nbytes()
     }
 
     fn block_sizes(slf: &Bound<'_, Self>) -> Vec<i64> {
         let this = wait_borrow(slf);
-        this.ix.block_sizes.iter().copied().collect()
+        let ix = this.read();
+        ix.block_sizes.iter().copied().collect()
     }
 
-    fn add_block_sizes(&mut self, sizes: Vec<i64>) {
+    fn add_block_sizes(&mut self, py: Python<'_>, sizes: Vec<i64>) {
+        let mut ix = self.write(py);
         for b in sizes {
-            self.ix.add_block_size(b);
+            ix.add_block_size(b);
         }
     }
 
@@ -482,10 +487,11 @@ impl PyIndex {
     /// [(inst, dp, group, tail blocks or 0 for every block)].
     fn export_groups(slf: &Bound<'_, Self>, workers: Vec<(String, i64)>) -> Vec<(String, i64, i64, u32)> {
         let this = wait_borrow(slf);
+        let ix = this.read();
         let mut out = vec![];
         for (inst, dp) in workers {
-            if let Some(w) = this.ix.worker_id(&inst, dp) {
-                for g in &this.ix.workers[w as usize].groups {
+            if let Some(w) = ix.worker_id(&inst, dp) {
+                for g in &ix.workers[w as usize].groups {
                     let tail = match g.reach {
                         crate::index::Reach::Full => 0,
                         crate::index::Reach::Tail(n) => n,
@@ -498,46 +504,39 @@ impl PyIndex {
     }
 
     /// Install a group's reach from a snapshot (tail 0: every block).
-    fn import_group(&mut self, inst: &str, dp: i64, group: i64, tail: u32) {
+    fn import_group(&mut self, py: Python<'_>, inst: &str, dp: i64, group: i64, tail: u32) {
         let reach = if tail == 0 { crate::index::Reach::Full } else { crate::index::Reach::Tail(tail) };
-        self.ix.set_group(inst, dp, group, reach);
+        self.write(py).set_group(inst, dp, group, reach);
     }
 
     fn has_blocks(slf: &Bound<'_, Self>) -> bool {
         let this = wait_borrow(slf);
-        this.ix.s.count > 0
+        let ix = this.read();
+        ix.s.count > 0
     }
 
     /// (sum, count) over holder-blocks of xxh3(key, seeds[wm]) where seeds[wm] != 0.
     fn digest(slf: &Bound<'_, Self>, seeds: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
         let this = wait_borrow(slf);
+        let ix = this.read();
         let s = words_u64(RawBuf::get(seeds)?.bytes());
-        if s.len() < this.ix.wm_worker.len() {
+        if s.len() < ix.wm_worker.len() {
             return Err(PyValueError::new_err("one seed per wm"));
         }
-        Ok(this.ix.digest(&s))
+        Ok(ix.digest(&s))
     }
 
     /// The tables of these workers, in their order (ranks, then tables):
     /// ([(inst, dp, tp_size, tp_rank, medium, group, entries, unknown, dups)], ehs, keys, metas).
-    #[allow(clippy::type_complexity)]
-    fn export_workers<'py>(
-        &self,
-        py: Python<'py>,
-        workers: Vec<(String, i64)>,
-    ) -> (
-        Vec<(String, i64, u32, i64, String, i64, i64, i64, i64)>,
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-        Bound<'py, PyBytes>,
-    ) {
+    fn export_workers<'py>(&self, py: Python<'py>, workers: Vec<(String, i64)>) -> Exported<'py> {
+        let ix = self.read();
         let mut tables = vec![];
         let (mut ehs, mut ks, mut ms): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
         for (inst, dp) in workers {
-            let Some(w) = self.ix.worker_id(&inst, dp) else {
+            let Some(w) = ix.worker_id(&inst, dp) else {
                 continue;
             };
-            let wk = &self.ix.workers[w as usize];
+            let wk = &ix.workers[w as usize];
             for r in &wk.ranks {
                 for t in &r.tables {
                     tables.push((
@@ -545,7 +544,7 @@ impl PyIndex {
                         dp,
                         wk.tp_size,
                         r.tp_rank,
-                        self.ix.media[t.medium as usize].clone(),
+                        ix.media[t.medium as usize].clone(),
                         t.group,
                         t.count,
                         t.unknown,
@@ -562,9 +561,11 @@ impl PyIndex {
         (tables, PyBytes::new(py, &ehs), PyBytes::new(py, &ks), PyBytes::new(py, &ms))
     }
 
+    // One argument per field of a blob header's table row, which Python reads and checks.
     #[allow(clippy::too_many_arguments)]
     fn import_table(
         &mut self,
+        py: Python<'_>,
         inst: &str,
         dp: i64,
         tp_size: i64,
@@ -585,13 +586,15 @@ impl PyIndex {
             return Err(PyValueError::new_err("array lengths differ"));
         }
         let rank = RankId { inst, dp, tp_rank, tp_size };
-        self.ix
-            .import_table(&rank, medium, group, &e, &k, &m, unknown, dups)
+        let blob = TableBlob { medium, group, ehs: &e, keys: &k, metas: &m, unknown, dups };
+        self.write(py)
+            .import_table(&rank, &blob)
             .map_err(|why| PyValueError::new_err(format!("index blob: {why} for {inst}/{dp} rank {tp_rank}")))
     }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
+    m.add_class::<ScoreQuery>()?;
     Ok(())
 }

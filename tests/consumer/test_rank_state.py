@@ -21,27 +21,27 @@ def b(epoch, seq, reset=False, gap=0, worker=W0, ts=0):
 
 def test_first_record_with_reset_is_trusted():
     t = RankTable()
-    assert t.admit(b(7, 0, reset=True)) is Verdict.RESET
+    assert t.admit(b(7, 0, reset=True)) == Verdict.RESET
     assert t.worker_trusted(("a", 0))
 
 
 def test_first_record_without_reset_is_untrusted_until_next_reset():
     t = RankTable()
-    assert t.admit(b(7, 5)) is Verdict.RESET
+    assert t.admit(b(7, 5)) == Verdict.RESET
     assert not t.worker_trusted(("a", 0))
     assert "mid-stream" in t.ranks[W0.rank].untrusted_reason
-    assert t.admit(b(9, 0, reset=True)) is Verdict.RESET
+    assert t.admit(b(9, 0, reset=True)) == Verdict.RESET
     assert t.worker_trusted(("a", 0))
 
 
 def test_duplicates_are_skipped_and_holes_distrust():
     t = RankTable()
     t.admit(b(1, 0, reset=True))
-    assert t.admit(b(1, 1)) is Verdict.APPLY
-    assert t.admit(b(1, 1)) is Verdict.DUPLICATE
-    assert t.admit(b(1, 0)) is Verdict.DUPLICATE
+    assert t.admit(b(1, 1)) == Verdict.APPLY
+    assert t.admit(b(1, 1)) == Verdict.DUPLICATE
+    assert t.admit(b(1, 0)) == Verdict.DUPLICATE
     assert t.worker_trusted(("a", 0))
-    assert t.admit(b(1, 4)) is Verdict.APPLY
+    assert t.admit(b(1, 4)) == Verdict.APPLY
     assert not t.worker_trusted(("a", 0))
     assert "2..3 missing" in t.ranks[W0.rank].untrusted_reason
 
@@ -62,9 +62,9 @@ def test_late_records_of_a_retired_epoch_are_ignored():
     t = RankTable()
     t.admit(b(100, 0, reset=True))
     t.admit(b(100, 1))
-    assert t.admit(b(-5, 0, reset=True)) is Verdict.RESET  # restart: epochs are random, not ordered
-    assert t.admit(b(100, 2)) is Verdict.STALE_EPOCH  # the zombie flushes late
-    assert t.admit(b(-5, 1)) is Verdict.APPLY
+    assert t.admit(b(-5, 0, reset=True)) == Verdict.RESET  # restart: epochs are random, not ordered
+    assert t.admit(b(100, 2)) == Verdict.STALE_EPOCH  # the zombie flushes late
+    assert t.admit(b(-5, 1)) == Verdict.APPLY
     assert t.ranks[W0.rank].epoch == -5
 
 
@@ -96,7 +96,7 @@ def test_applied_sequences_are_strictly_increasing_within_an_epoch(stream):
     for epoch, seq, reset in stream:
         v = t.admit(b(epoch, seq, reset=reset))
         if v in (Verdict.APPLY, Verdict.RESET):
-            assert seq > applied.get(epoch, -1) or v is Verdict.RESET
+            assert seq > applied.get(epoch, -1) or v == Verdict.RESET
             applied[epoch] = seq
 
 
