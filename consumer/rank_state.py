@@ -35,7 +35,7 @@ from kvwire.schemas.events import EventBatch
 # Enough to outlast any realistic burst of restarts of one rank; an epoch
 # older than this is ancient and its records are ignored anyway unless they
 # carry a reset (which only a live producer sends first).
-RETIRED_EPOCHS = 32
+RETIRED_EPOCHS: int = _core.RETIRED_EPOCHS  # the fence's bound (rust/src/fence.rs), its one home
 
 
 # APPLY, RESET (drop the rank's blocks, then apply), DUPLICATE, STALE_EPOCH: the core's own

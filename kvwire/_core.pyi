@@ -101,6 +101,7 @@ class Index:
 # The one home of every key rule; kvwire.consumer.keys is the typed face.
 
 ROOT: int
+RETIRED_EPOCHS: int
 ORPHAN_ROOT: int
 ENGINE_NS: int
 

@@ -522,6 +522,7 @@ pub fn score_trusted<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyFence>()?;
+    m.add("RETIRED_EPOCHS", RETIRED_EPOCHS)?;
     m.add_class::<Verdict>()?;
     m.add_class::<Tally>()?;
     m.add_class::<ApplyStatus>()?;
