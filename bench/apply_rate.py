@@ -65,9 +65,9 @@ def make_records(blocks: int, events_per_record: int, seed: int = 0, name: str =
 async def fill(bootstrap: str, topic: str, records) -> float:
     from aiokafka import AIOKafkaProducer
 
+    from kvwire.kafka.topics import ensure_topic
     from kvwire.producer.config import _default_compression
     from kvwire.producer.partitioner import default_partition
-    from kvwire.topics import ensure_topic
 
     await ensure_topic(bootstrap, topic, PARTITIONS)
     p = AIOKafkaProducer(
@@ -237,7 +237,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     bootstrap = a.bootstrap
     if not bootstrap:
-        from kvwire.broker import resolve_bootstrap
+        from kvwire.kafka.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
     blocks = a.blocks or (500_000 if a.quick else 2_000_000)

@@ -142,9 +142,9 @@ async def _produce(bootstrap: str, topic: str, records: list[tuple[bytes, bytes]
     """Send with the publisher's own producer settings; (wall s, cpu s) until all are acked."""
     from aiokafka import AIOKafkaProducer
 
+    from kvwire.kafka.topics import ensure_topic
     from kvwire.producer.config import PublisherConfig
     from kvwire.producer.partitioner import default_partition
-    from kvwire.topics import ensure_topic
 
     cfg = PublisherConfig(bootstrap_servers=bootstrap, topic=topic)
     await ensure_topic(bootstrap, topic, PARTITIONS)

@@ -244,7 +244,7 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarr
 async def _create_topic(bootstrap: str, topic: str) -> None:
     """LogAppendTime: record timestamps become the broker's append time, which splits the lag
     into publisher side and consumer side (kvwire itself reads only EventBatch.ts_us)."""
-    from kvwire.topics import ensure_topic
+    from kvwire.kafka.topics import ensure_topic
 
     await ensure_topic(bootstrap, topic, PARTITIONS, {"message.timestamp.type": "LogAppendTime"})
 
@@ -342,7 +342,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     bootstrap = a.bootstrap
     if not bootstrap:
-        from kvwire.broker import resolve_bootstrap
+        from kvwire.kafka.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
     rates = a.rates or (

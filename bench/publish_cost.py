@@ -183,7 +183,7 @@ def main() -> None:
     pause = args.pause_ms / 1000
     bootstrap = args.bootstrap
     if not bootstrap:
-        from kvwire.broker import resolve_bootstrap
+        from kvwire.kafka.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
 

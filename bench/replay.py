@@ -107,7 +107,7 @@ async def _produce(bootstrap: str, topic: str, records) -> int:
 
 
 async def _create(bootstrap: str, topic: str) -> None:
-    from kvwire.topics import ensure_topic
+    from kvwire.kafka.topics import ensure_topic
 
     await ensure_topic(bootstrap, topic, PARTITIONS)
 

@@ -296,7 +296,7 @@ def main(argv=None) -> int:
     RESULTS = Path(os.environ.get("KVWIRE_BENCH_RESULTS") or common.RESULTS)
     bootstrap = a.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     if not bootstrap:
-        from kvwire.broker import resolve_bootstrap
+        from kvwire.kafka.broker import resolve_bootstrap
 
         bootstrap = resolve_bootstrap()
     mode = "smoke" if a.smoke else "quick" if a.quick else "full"

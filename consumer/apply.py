@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -19,6 +19,19 @@ from kvwire.schemas.events import AllBlocksCleared, EventBatch, WorkerId
 from .index import IndexOverflow, MalformedEvent, PrefixIndex, WorkerScore
 from .metrics import IngestMetrics
 from .rank_state import RankState, RankTable, Verdict
+
+
+class FeedOrigin(NamedTuple):
+    """Where the applier files workers read from a topic other than kvwire's (LMCache's
+    coordinator topic): never equal to a kvwire partition number, so a rebalance of the kvwire
+    topic (``drop_partitions``) never drops them and its snapshots never hold them."""
+
+    source: str
+    partition: int
+
+
+# What the applier files a worker under: a kvwire-topic partition, or another feed's origin.
+Origin = int | FeedOrigin
 
 
 class DeadLetter(msgspec.Struct, frozen=True):
@@ -63,12 +76,12 @@ class Applier:
     ):
         self.index = index if index is not None else PrefixIndex()
         # Registry ids of Confluent-framed records, resolved before they are applied
-        # (kvwire.registry.resolver fills the process-wide cache by default).
+        # (kvwire.kafka.registry.resolver fills the process-wide cache by default).
         self.schema_ids = schema_ids
         self.ranks = RankTable()
         self.metrics = metrics if metrics is not None else IngestMetrics()
-        # partition -> workers seen there, to drop them when it is revoked
-        self.workers_by_partition: dict[int, set[tuple[str, int]]] = defaultdict(set)
+        # origin -> workers seen there, to drop them when it is revoked
+        self.workers_by_partition: dict[Origin, set[tuple[str, int]]] = defaultdict(set)
         # partition -> next offset to read (everything before it is applied)
         self.positions: dict[int, int] = {}
         self.dead_letters: list[DeadLetter] = []
@@ -153,7 +166,7 @@ class Applier:
         except Exception as e:  # a decodable batch the index cannot take
             self._dead(topic, partition, offset, key, value, f"apply failed: {type(e).__name__}: {e}", timestamp_ms)
 
-    def apply_batch(self, batch: EventBatch, partition: int = 0) -> Verdict:
+    def apply_batch(self, batch: EventBatch, partition: Origin = 0) -> Verdict:
         """Fence and apply one decoded record, whole or not at all. Raises
         MalformedEvent (nothing applied, seq not consumed) or IndexOverflow
         (nothing applied, seq consumed, the rank untrusted).
@@ -186,7 +199,7 @@ class Applier:
             return Verdict.STALE_EPOCH
         return Verdict.RESET if tally.resets else Verdict.APPLY
 
-    def _apply_model(self, batch: EventBatch, partition: int) -> Verdict:
+    def _apply_model(self, batch: EventBatch, partition: Origin) -> Verdict:
         """The same contract over any index with ``PrefixIndex``'s write methods
         (tests feed ``tests/oracle.py``'s brute-force model through here)."""
         rank = batch.worker

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from kvwire.options import SUBSCRIBER_METADATA_MAX_AGE_MS
-from kvwire.registry.resolver import IdResolver
+from kvwire.kafka.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+from kvwire.kafka.registry.resolver import IdResolver
 
 from .apply import Applier, DeadLetter
 
@@ -75,7 +75,7 @@ class IngestConfig:
     # A snapshot round that has not finished by then counts as failed (a store that hangs,
     # e.g. a partition without a leader, must not leave the member healthy forever).
     snapshot_timeout_s: float = 300.0
-    # Replication of the dead-letter topic (None: kvwire.topics' configuration/defaults).
+    # Replication of the dead-letter topic (None: kvwire.kafka.topics' configuration/defaults).
     replication_factor: int | None = None
     min_insync_replicas: int | None = None
     # Where Confluent-framed records' schema ids are resolved (None: $KVWIRE_SCHEMA_REGISTRY_URL).
@@ -268,7 +268,7 @@ class IndexMember:
         """Create the dead-letter topic up front (replicated like the events: a dead letter is
         the only copy of a record once the commit passes it) so the first bad record is not
         also the first metadata miss; a broker that forbids it gets a warning."""
-        from kvwire.topics import Replication, ensure_topic
+        from kvwire.kafka.topics import Replication, ensure_topic
 
         cfg = self.config
         try:

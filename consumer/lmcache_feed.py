@@ -7,8 +7,8 @@ trust and scoring are the same as for any other source.
 The feed reads every partition from the log start and commits nothing (its consumer
 group is its own and only makes Kafka assign it every partition, as they appear): the
 converter is rebuilt from the log, as LMCache's own coordinator rebuilds its
-directory from the topic. Its workers live under partition numbers of their
-own (``applier_partition``), below zero, so a rebalance of the kvwire topic
+directory from the topic. Its workers are filed under an origin of their own
+(``FeedOrigin(SOURCE, partition)``), so a rebalance of the kvwire topic
 (``Applier.drop_partitions``) never drops them and snapshots of the kvwire
 topic never hold them. A record that cannot be converted or applied is
 dead-lettered through the applier (``IndexMember`` writes it to the DLQ) and
@@ -24,19 +24,12 @@ import uuid
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
-from kvwire.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+from kvwire.kafka.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+from kvwire.producer.lmcache_topic import SOURCE, LmcacheTopicConverter, TopicRecordError
 
-from .apply import Applier, DeadLetter
-from .lmcache_topic import LmcacheTopicConverter, TopicRecordError
+from .apply import Applier, DeadLetter, FeedOrigin
 
 log = logging.getLogger(__name__)
-
-PARTITION_BASE = -1_000_000
-
-
-def applier_partition(partition: int) -> int:
-    """Where a coordinator-topic partition's workers are filed in the applier."""
-    return PARTITION_BASE - partition
 
 
 class _FromWhereWeWere(ConsumerRebalanceListener):
@@ -102,7 +95,7 @@ class LmcacheTopicFeed:
         applied = 0
         for b in batches:
             try:
-                self.applier.apply_batch(b, applier_partition(partition))
+                self.applier.apply_batch(b, FeedOrigin(SOURCE, partition))
                 applied += 1
             except Exception as e:  # the index refused it: lost to this worker's view
                 self.converter.mark_lost(b.worker.instance_id)
@@ -193,4 +186,4 @@ async def feed_member(member, topic: str, model: str | None = None) -> LmcacheTo
     return feed
 
 
-__all__ = ["PARTITION_BASE", "LmcacheTopicFeed", "applier_partition", "feed_member"]
+__all__ = ["LmcacheTopicFeed", "feed_member"]

@@ -18,7 +18,7 @@ from datetime import datetime
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from kvwire.registry.resolver import IdResolver
+from kvwire.kafka.registry.resolver import IdResolver
 
 from .apply import Applier
 from .snapshot import Snapshots

@@ -58,8 +58,8 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
-from kvwire.options import admin_options
-from kvwire.topics import Replication, partition_count
+from kvwire.kafka.options import admin_options
+from kvwire.kafka.topics import Replication, partition_count
 
 from .apply import Applier
 from .rank_state import RETIRED_EPOCHS, RankState
@@ -312,9 +312,9 @@ class KafkaStore:
         finally:
             await admin.close()
         if n is None and create:
-            from kvwire.topics import ensure_topic
+            from kvwire.kafka.topics import ensure_topic
 
-            # Replicated like the events (kvwire.topics): a snapshot lost with one broker costs
+            # Replicated like the events (kvwire.kafka.topics): a snapshot lost with one broker costs
             # every member a replay from the log start.
             n = await ensure_topic(
                 self.bootstrap,

@@ -108,11 +108,11 @@ def _reachable(o: BridgeOptions, copts: Any) -> None:
     warning in the log."""
     import asyncio
 
+    from kvwire.kafka.topics import ensure_topic
     from kvwire.schemas.codec import CONFLUENT
-    from kvwire.topics import ensure_topic
 
     if o.framing == CONFLUENT:
-        from kvwire.registry.client import RegistryClient, RegistryConfig
+        from kvwire.kafka.registry.client import RegistryClient, RegistryConfig
 
         try:
             reg = RegistryConfig.from_env(o.schema_registry_url)

@@ -6,9 +6,9 @@ import typer
 
 from kvwire.bench_cli import app as _bench
 from kvwire.bridge_cli import app as _bridge
-from kvwire.broker.cli import app as _kafka
 from kvwire.demo import demo as _demo
 from kvwire.index_cli import index as _index
+from kvwire.kafka_cli import app as _kafka
 from kvwire.registry_cli import app as _registry
 from kvwire.replay_cli import replay as _replay
 from kvwire.schemas_cli import app as _schemas

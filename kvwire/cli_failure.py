@@ -50,7 +50,7 @@ def _fail(command: str, message: str, code: int) -> NoReturn:
 def one_line(command: str) -> Iterator[None]:
     """The body of `kvwire <command>`: a failure to reach something, or a setting that cannot
     work, ends the command with one line instead of a traceback."""
-    from kvwire.registry.client import RegistryError, RegistryUnavailable
+    from kvwire.kafka.registry.client import RegistryError, RegistryUnavailable
 
     try:
         yield
@@ -105,9 +105,9 @@ def reaching_kafka(bootstrap_servers: str) -> Iterator[None]:
 
 
 def kafka_client_options(path: str | None):
-    """The client options of `--kafka-config` and the environment (kvwire.options); a
+    """The client options of `--kafka-config` and the environment (kvwire.kafka.options); a
     misconfiguration is a :class:`BadSetting`."""
-    from kvwire.options import client_options
+    from kvwire.kafka.options import client_options
 
     try:
         return client_options(path)

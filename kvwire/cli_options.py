@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from kvwire.options import CONFIG_ENV
+from kvwire.kafka.options import CONFIG_ENV
 
 BOOTSTRAP_ENV = "KAFKA_BOOTSTRAP_SERVERS"
 DEFAULT_TOPIC = "kvwire.events"

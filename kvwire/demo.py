@@ -37,7 +37,7 @@ class DemoOptions:
     rate: float
     capacity: int
     seed: int
-    client_options: Any  # kvwire.options.ClientOptions (repr redacted)
+    client_options: Any  # kvwire.kafka.options.ClientOptions (repr redacted)
 
 
 @dataclass
@@ -73,8 +73,8 @@ def demo(
     console = Console(stderr=False, soft_wrap=True)
     log_path = _quiet_libraries()
     if not bootstrap_servers:
-        from kvwire.broker import default_port, resolve_bootstrap
-        from kvwire.broker.probe import answers
+        from kvwire.kafka.broker import default_port, resolve_bootstrap
+        from kvwire.kafka.broker.probe import answers
 
         local = f"127.0.0.1:{default_port()}"
         if answers(local, timeout_s=3.0):
@@ -315,7 +315,7 @@ def _line(st: DemoStats, members, pub, elapsed: float) -> str:
 
 
 async def _create_topic(bootstrap, topic, partitions, client_options=None) -> None:
-    from kvwire.topics import ensure_topic
+    from kvwire.kafka.topics import ensure_topic
 
     await ensure_topic(bootstrap, topic, partitions, client_options=client_options)
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from kvwire.registry.local import LocalRegistry
+    from kvwire.kafka.registry.local import LocalRegistry
 
 app = typer.Typer(no_args_is_help=True, help="Run a local schema registry (Apicurio Registry, Confluent API).")
 
@@ -20,7 +20,7 @@ PortOpt = typer.Option(None, "--port", envvar="KVWIRE_REGISTRY_PORT", help="HTTP
 
 
 def _registry(home: str | None, port: int | None) -> LocalRegistry:
-    from kvwire.registry.local import LocalRegistry
+    from kvwire.kafka.registry.local import LocalRegistry
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     return LocalRegistry(home, port)
@@ -29,7 +29,7 @@ def _registry(home: str | None, port: int | None) -> LocalRegistry:
 @app.command()
 def start(home: str | None = HomeOpt, port: int | None = PortOpt) -> None:
     """Start (or find running) and print the registry URL as the last stdout line."""
-    from kvwire.registry.local import RegistryStartError
+    from kvwire.kafka.registry.local import RegistryStartError
 
     t0 = time.monotonic()
     reg = _registry(home, port)

@@ -122,8 +122,8 @@ def schemas(
 
 
 def _register(url: str, subject: str) -> None:
-    from kvwire.registry.client import KVWIRE_COMPATIBILITY, RegistryClient, RegistryConfig
-    from kvwire.registry.shipped import register_shipped
+    from kvwire.kafka.registry.client import KVWIRE_COMPATIBILITY, RegistryClient, RegistryConfig
+    from kvwire.kafka.registry.shipped import register_shipped
 
     try:
         cfg = RegistryConfig.from_env(url)

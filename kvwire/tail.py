@@ -39,7 +39,7 @@ class TailOptions:
     as_json: bool = False
     max_records: int | None = None
     timeout_s: float | None = None  # stop after this long without a new record
-    # aiokafka security/client options (kvwire.options); a ClientOptions keeps the repr redacted.
+    # aiokafka security/client options (kvwire.kafka.options); a ClientOptions keeps the repr redacted.
     client_options: Mapping[str, Any] = dc_field(default_factory=dict)
     # Resolves Confluent-framed records' schema ids (None: $KVWIRE_SCHEMA_REGISTRY_URL).
     schema_registry_url: str | None = None
@@ -285,8 +285,8 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
         consumer.assign(tps)
         await _position(consumer, tps, start)
 
-        from kvwire.registry.client import RegistryError
-        from kvwire.registry.resolver import IdResolver
+        from kvwire.kafka.registry.client import RegistryError
+        from kvwire.kafka.registry.resolver import IdResolver
 
         try:
             ids = IdResolver.from_env(opts.schema_registry_url)

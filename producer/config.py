@@ -26,9 +26,9 @@ class PublisherConfig:
     topic: str = "kvwire.events"
     # Used only when the topic does not exist yet.
     partitions: int = 12
-    # None: $KVWIRE_REPLICATION_FACTOR, else min(3, live brokers) (kvwire.topics).
+    # None: $KVWIRE_REPLICATION_FACTOR, else min(3, live brokers) (kvwire.kafka.topics).
     replication_factor: int | None = None
-    # None: $KVWIRE_MIN_INSYNC_REPLICAS, else 2 from three replicas on (kvwire.topics).
+    # None: $KVWIRE_MIN_INSYNC_REPLICAS, else 2 from three replicas on (kvwire.kafka.topics).
     min_insync_replicas: int | None = None
     # An explicit partition (e.g. the worker ordinal) instead of murmur2(key) % partitions.
     partition: int | None = None

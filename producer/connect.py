@@ -94,8 +94,8 @@ async def connect(cfg: PublisherConfig, closing: Callable[[], bool]) -> Connecti
 async def _confluent_headers(cfg: PublisherConfig, *, loud: bool) -> tuple[int, Headers]:
     """Registers (or looks up) the current version under the subject; a refusal (409) is
     retried like an outage."""
-    from kvwire.registry.client import RegistryClient, RegistryConfig, topic_subject
-    from kvwire.registry.shipped import writer_id
+    from kvwire.kafka.registry.client import RegistryClient, RegistryConfig, topic_subject
+    from kvwire.kafka.registry.shipped import writer_id
 
     reg = RegistryConfig.from_env(cfg.schema_registry_url)
     if reg is None:
@@ -118,7 +118,7 @@ async def _confluent_headers(cfg: PublisherConfig, *, loud: bool) -> tuple[int, 
 
 
 async def _ensure_topic(cfg: PublisherConfig) -> None:
-    from kvwire.topics import Replication, ensure_topic
+    from kvwire.kafka.topics import Replication, ensure_topic
 
     await ensure_topic(
         cfg.bootstrap_servers,

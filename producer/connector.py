@@ -20,7 +20,7 @@ instance_id, inner_connector (default "LMCacheConnectorV1"), inner_module_path
 (None = vLLM's registry), forward_events_to_vllm (default true), partitions,
 partition, model, repair_lmcache_events (default: inner is an LMCache connector),
 publisher (extra PublisherConfig fields), kafka_config (a Kafka client properties file) and
-kafka_properties (standard Kafka client property names; see kvwire.options, which also reads
+kafka_properties (standard Kafka client property names; see kvwire.kafka.options, which also reads
 the environment), framing ("single-object" by default, or "confluent") and
 schema_registry_url (for "confluent"; default $KVWIRE_SCHEMA_REGISTRY_URL).
 
@@ -182,7 +182,7 @@ class KVWireConnector(KVConnectorBase_V1):
 
     def _start_publisher(self, vllm_config: Any) -> None:
         try:
-            from kvwire.options import connector_client_options
+            from kvwire.kafka.options import connector_client_options
 
             from .publisher import KafkaPublisher, PublisherConfig
 

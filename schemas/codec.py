@@ -155,7 +155,7 @@ class SchemaIds:
     """Schema-registry id -> writer schema, for decoding Confluent-framed records.
 
     A synchronous cache so that decode stays pure CPU: the consumer scans each poll for ids it
-    lacks and fills them from the registry (``kvwire.registry.resolver``) *before* it decodes.
+    lacks and fills them from the registry (``kvwire.kafka.registry.resolver``) *before* it decodes.
     An id the registry answered "unknown" (or that names a non-kvwire schema) is remembered with
     the reason, which becomes the record's dead-letter reason. Ids are one registry's numbering:
     one cache per registry (the process-wide :data:`SCHEMA_IDS` for the usual single one)."""
@@ -232,7 +232,7 @@ class SchemaIds:
 
 
 # The process-wide cache codec.decode() and the consumer's Applier use by default, so the
-# consumer's prefetch (kvwire.registry.resolver) lands here.
+# consumer's prefetch (kvwire.kafka.registry.resolver) lands here.
 SCHEMA_IDS = SchemaIds()
 
 # ---------------------------------------------------------------- hashes

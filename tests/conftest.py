@@ -12,7 +12,7 @@ import tc_broker
 from ci_env import unavailable
 from kafka_admin import create_topics, delete_topics
 
-from kvwire.broker.probe import run_sync
+from kvwire.kafka.broker.probe import run_sync
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -30,7 +30,7 @@ def kafka_bootstrap() -> Iterator[str]:
     if tc_broker.requested():
         yield from tc_broker.container_broker()
         return
-    from kvwire.broker import resolve_bootstrap
+    from kvwire.kafka.broker import resolve_bootstrap
 
     try:
         bootstrap = resolve_bootstrap()

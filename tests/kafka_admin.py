@@ -14,8 +14,8 @@ async def create_topics(
     client_options: dict | None = None,
     **replication: int | None,
 ) -> None:
-    """kvwire's own helper (kvwire.topics), so tests create topics exactly as kvwire does."""
-    from kvwire.topics import Replication, ensure_topics
+    """kvwire's own helper (kvwire.kafka.topics), so tests create topics exactly as kvwire does."""
+    from kvwire.kafka.topics import Replication, ensure_topics
 
     await ensure_topics(
         bootstrap,

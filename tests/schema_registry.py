@@ -1,7 +1,7 @@
 """The schema registry tests run against: a real one, never a stand-in.
 
 KVWIRE_SCHEMA_REGISTRY_URL names an existing registry (used, never touched); otherwise the
-session starts kvwire's own local Apicurio Registry (kvwire.registry.local, the same code as
+session starts kvwire's own local Apicurio Registry (kvwire.kafka.registry.local, the same code as
 `kvwire registry start`). Like the local Kafka it is left running for the next session on a dev
 box (other sessions may be using it by then); under CI=true the session that started it stops it.
 Under CI=true a registry that cannot be had FAILS the tests that need it. Import the fixture by name into a test module or
@@ -20,8 +20,8 @@ from ci_env import in_ci, need_java_and_mvn, unavailable
 @pytest.fixture(scope="session")
 def schema_registry() -> Iterator[str]:
     """The registry's Confluent-compatible base URL."""
-    from kvwire.registry.client import ENV_URL
-    from kvwire.registry.local import LocalRegistry
+    from kvwire.kafka.registry.client import ENV_URL
+    from kvwire.kafka.registry.local import LocalRegistry
 
     url = os.environ.get(ENV_URL)
     if url:

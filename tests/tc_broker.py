@@ -17,7 +17,7 @@ def requested() -> bool:
 
 
 def need_engine() -> None:
-    from kvwire.broker.container import docker_available
+    from kvwire.kafka.broker.container import docker_available
 
     if not docker_available():
         where = os.environ.get("DOCKER_HOST") or "the default Docker socket"
@@ -26,7 +26,7 @@ def need_engine() -> None:
 
 def container_broker() -> Iterator[str]:
     """Yields the bootstrap of a freshly started container; removes it afterwards."""
-    from kvwire.broker.container import DockerKafka
+    from kvwire.kafka.broker.container import DockerKafka
 
     need_engine()
     kafka = DockerKafka()

@@ -143,7 +143,7 @@ def test_cli_start_is_idempotent():
 async def test_killed_broker_restarts_with_its_log(tmp_path):
     """A private broker (own home and port) so SIGKILL never disturbs the shared one."""
     _need_toolchain()
-    from kvwire.broker import LocalKafka
+    from kvwire.kafka.broker import LocalKafka
 
     kafka = LocalKafka(tmp_path / "kafka", free_port_pair())
     try:
@@ -174,8 +174,8 @@ async def test_cluster_id_with_leading_dash_formats_and_serves(tmp_path):
     _need_toolchain()
     from aiokafka.admin import AIOKafkaAdminClient
 
-    from kvwire.broker import LocalKafka
-    from kvwire.broker.local import new_cluster_id
+    from kvwire.kafka.broker import LocalKafka
+    from kvwire.kafka.broker.local import new_cluster_id
 
     assert not any(new_cluster_id().startswith("-") for _ in range(2000))
     cid = "-kvwire-dash-cluster-B"

@@ -22,7 +22,7 @@ def run_demo(env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_demo_runs_and_its_summary_holds(kafka_bootstrap):
-    from kvwire.broker import default_port
+    from kvwire.kafka.broker import default_port
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", COLUMNS="80")
     local = kafka_bootstrap == f"127.0.0.1:{default_port()}"

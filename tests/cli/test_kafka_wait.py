@@ -9,7 +9,7 @@ import uuid
 import pytest
 from kafka_admin import delete_topics, free_port_pair
 
-from kvwire.broker.probe import run_sync
+from kvwire.kafka.broker.probe import run_sync
 
 
 def _wait(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

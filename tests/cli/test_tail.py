@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 import pytest
 from kafka_admin import create_topics, delete_topics
 
-from kvwire.broker.probe import run_sync
+from kvwire.kafka.broker.probe import run_sync
 from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, VERSIONS, encode
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
 

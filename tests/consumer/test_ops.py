@@ -9,8 +9,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from kvwire.consumer.apply import Applier
 from kvwire.consumer.http import make_app
 from kvwire.consumer.ingest import IngestConfig, default_group_id
+from kvwire.kafka.topics import Replication
 from kvwire.schemas.events import EventBatch, WorkerId, stored
-from kvwire.topics import Replication
 
 
 def test_default_group_id_is_stable_and_one_per_router():

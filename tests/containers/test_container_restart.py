@@ -31,7 +31,7 @@ async def _cluster_id(bootstrap: str) -> str:
 def private_container():
     """One container for both restarts (each test uses its own topic and group): a container
     start costs a JVM start."""
-    from kvwire.broker.container import DockerKafka
+    from kvwire.kafka.broker.container import DockerKafka
 
     tc_broker.need_engine()
     # An id that starts with "-", as about 1 random id in 64 does: the image's format step once

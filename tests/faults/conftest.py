@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 import pytest
 from ci_env import in_ci, need_java_and_mvn, unavailable
 
-from kvwire.broker.probe import run_sync
+from kvwire.kafka.broker.probe import run_sync
 
 if TYPE_CHECKING:
-    from kvwire.broker import LocalKafka
-    from kvwire.broker.cluster import LocalCluster
+    from kvwire.kafka.broker import LocalKafka
+    from kvwire.kafka.broker.cluster import LocalCluster
 
 USER = "kvwire"
 # Random per session so a leak check cannot pass by luck of a value that never reached the client.
@@ -224,7 +224,7 @@ def secure_broker_config(port: int, keystore: Path | None, client_ca: str | None
 
 
 def client_config(bootstrap_env: dict[str, str]) -> dict:
-    from kvwire.options import client_options_from_env
+    from kvwire.kafka.options import client_options_from_env
 
     return client_options_from_env(bootstrap_env)
 
@@ -316,9 +316,9 @@ class PrivateBrokers:
         return self._tmp.mktemp(name)
 
     def single(self, what: str = "private broker", *, home: Path | None = None, port: int | None = None, **options):
-        """A started single broker (kvwire.broker.LocalKafka; options are its keywords). A test
+        """A started single broker (kvwire.kafka.broker.LocalKafka; options are its keywords). A test
         that kills it must stop it itself when done: it is its own, not the session's."""
-        from kvwire.broker import LocalKafka
+        from kvwire.kafka.broker import LocalKafka
 
         need_java_and_mvn(f"a {what}")
         kafka = LocalKafka(home or self.home("kafka"), port or free_port_run(2), **options)
@@ -326,8 +326,8 @@ class PrivateBrokers:
         return kafka
 
     def cluster(self, brokers: int = 3):
-        """A started multi-broker KRaft cluster (kvwire.broker.cluster.LocalCluster)."""
-        from kvwire.broker.cluster import LocalCluster
+        """A started multi-broker KRaft cluster (kvwire.kafka.broker.cluster.LocalCluster)."""
+        from kvwire.kafka.broker.cluster import LocalCluster
 
         what = f"{brokers}-broker cluster"
         need_java_and_mvn(f"a {what}")
@@ -363,6 +363,6 @@ def private_brokers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Privat
 
 @pytest.fixture(scope="session")
 def kafka_cluster(private_brokers: PrivateBrokers):
-    """A private three-broker KRaft cluster (kvwire.broker.cluster) for the replication faults.
+    """A private three-broker KRaft cluster (kvwire.kafka.broker.cluster) for the replication faults.
     Tests that kill or restart a node must leave all three running again."""
     return private_brokers.cluster(3)

@@ -1,4 +1,4 @@
-"""Faults on a replicated three-broker KRaft cluster (kvwire.broker.cluster, tests/faults/conftest.py).
+"""Faults on a replicated three-broker KRaft cluster (kvwire.kafka.broker.cluster, tests/faults/conftest.py).
 
 Every topic here is created by kvwire itself (publisher, dead-letter topic, snapshot store), so
 these tests also check that kvwire's default replication holds: replication factor 3 and

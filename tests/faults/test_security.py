@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
 from oracle_feed import free_port
 
-from kvwire.options import client_options_from_env, redact
+from kvwire.kafka.options import client_options_from_env, redact
 from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 from kvwire.schemas.codec import decode
 from kvwire.schemas.events import WorkerId, stored
@@ -428,7 +428,7 @@ def need_mtls(k) -> None:
 
 @pytest.mark.integration
 async def test_mtls_client_certificate_from_a_properties_file_round_trips(secure_kafka, secure_topic, tmp_path, logs):
-    from kvwire.options import client_options
+    from kvwire.kafka.options import client_options
 
     need_mtls(secure_kafka)
     props = write_properties(tmp_path / "client.properties", secure_kafka.mtls_properties())
@@ -462,7 +462,7 @@ async def test_mtls_client_certificate_from_a_properties_file_round_trips(secure
 @pytest.mark.integration
 @pytest.mark.parametrize("who", ["no_certificate", "unknown_ca"])
 async def test_mtls_refuses_a_client_without_a_trusted_certificate(secure_kafka, secure_topic, who):
-    from kvwire.options import aiokafka_options
+    from kvwire.kafka.options import aiokafka_options
 
     need_mtls(secure_kafka)
     if who == "no_certificate":
@@ -524,7 +524,7 @@ async def test_tail_reads_with_a_jaas_line_from_a_properties_file(secure_kafka, 
 
 
 def test_standard_property_names_from_the_environment_map_to_aiokafka(tmp_path):
-    from kvwire.options import client_options_from_env
+    from kvwire.kafka.options import client_options_from_env
 
     env = {
         "KVWIRE_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
@@ -542,7 +542,7 @@ def test_standard_property_names_from_the_environment_map_to_aiokafka(tmp_path):
 
 
 def test_a_properties_file_is_overridden_by_the_environment(tmp_path):
-    from kvwire.options import client_properties
+    from kvwire.kafka.options import client_properties
 
     f = write_properties(tmp_path / "p.properties", {"security.protocol": "SSL", "client.id": "from-file"})
     props = client_properties({"KVWIRE_KAFKA_CONFIG": str(f), "KVWIRE_KAFKA_CLIENT_ID": "from-env"})
@@ -559,7 +559,7 @@ def test_a_properties_file_is_overridden_by_the_environment(tmp_path):
     ],
 )
 def test_bad_tls_properties_fail_early_naming_the_property(props, names):
-    from kvwire.options import aiokafka_options
+    from kvwire.kafka.options import aiokafka_options
 
     with pytest.raises(ValueError) as e:
         aiokafka_options(props)
@@ -568,7 +568,7 @@ def test_bad_tls_properties_fail_early_naming_the_property(props, names):
 
 
 def test_unknown_property_is_named_but_its_value_is_not_logged(logs):
-    from kvwire.options import aiokafka_options
+    from kvwire.kafka.options import aiokafka_options
 
     assert aiokafka_options({"sasl.oauthbearer.token": SECRET}) == {}
     assert "sasl.oauthbearer.token" in logs.text
@@ -576,7 +576,7 @@ def test_unknown_property_is_named_but_its_value_is_not_logged(logs):
 
 
 def test_connector_config_goes_through_the_same_helper(tmp_path, monkeypatch):
-    from kvwire.options import connector_client_options
+    from kvwire.kafka.options import connector_client_options
 
     monkeypatch.setenv("KVWIRE_KAFKA_CLIENT_ID", "from-env")
     f = write_properties(tmp_path / "c.properties", {"security.protocol": "SASL_PLAINTEXT", "sasl.username": "u"})

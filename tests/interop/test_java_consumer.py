@@ -449,8 +449,8 @@ def test_java_consumer_reads_confluent_framed_records(interop_jar, kafka_bootstr
     # Both framings and both writer versions interleaved in one topic: Java takes the writer
     # schema of a Confluent-framed record from the registry by its id (plain Apache Avro, no
     # kvwire code) and resolves it to the newest shipped version, as it does for single-object.
-    from kvwire.registry.client import RegistryClient, RegistryConfig, topic_subject
-    from kvwire.registry.shipped import register_shipped
+    from kvwire.kafka.registry.client import RegistryClient, RegistryConfig, topic_subject
+    from kvwire.kafka.registry.shipped import register_shipped
 
     topic = new_topic(partitions=3)
     ids = dict(register_shipped(RegistryClient(RegistryConfig(schema_registry)), topic_subject(topic)))

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.integration
 
 async def test_broker_killed_and_restarted_mid_stream(tmp_path):
     need_java_and_mvn()
-    from kvwire.broker import LocalKafka
+    from kvwire.kafka.broker import LocalKafka
 
     kafka = LocalKafka(tmp_path / "kafka", free_port_pair())
     bootstrap = await asyncio.to_thread(kafka.start)

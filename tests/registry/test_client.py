@@ -14,9 +14,9 @@ from typing import ClassVar
 
 import pytest
 
+from kvwire.kafka.registry.client import NotFound, RegistryClient, RegistryConfig, RegistryError, RegistryUnavailable
+from kvwire.kafka.registry.resolver import IdResolver
 from kvwire.producer.config import PublisherConfig
-from kvwire.registry.client import NotFound, RegistryClient, RegistryConfig, RegistryError, RegistryUnavailable
-from kvwire.registry.resolver import IdResolver
 from kvwire.schemas.codec import CURRENT, SchemaIds, encode
 
 SECRET = "s3cr3t-pa55"

@@ -25,11 +25,11 @@ from wire_workload import produce, read_all, reference, workload
 
 from kvwire.consumer.ingest import IndexMember, IngestConfig
 from kvwire.consumer.replay import replay
+from kvwire.kafka.registry.client import NotFound, RegistryClient, RegistryConfig, topic_subject
+from kvwire.kafka.registry.resolver import IdResolver
+from kvwire.kafka.registry.shipped import register_shipped
 from kvwire.producer.config import PublisherConfig
 from kvwire.producer.publisher import KafkaPublisher
-from kvwire.registry.client import NotFound, RegistryClient, RegistryConfig, topic_subject
-from kvwire.registry.resolver import IdResolver
-from kvwire.registry.shipped import register_shipped
 from kvwire.schemas import codec
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, WorkerId, stored
 from kvwire.tail import TailOptions, run_tail

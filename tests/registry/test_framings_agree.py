@@ -27,8 +27,8 @@ from wire_workload import produce, workload
 
 from kvwire.consumer.apply import Applier
 from kvwire.consumer.ingest import IndexMember, IngestConfig
-from kvwire.registry.client import RegistryClient, RegistryConfig, topic_subject
-from kvwire.registry.shipped import register_shipped
+from kvwire.kafka.registry.client import RegistryClient, RegistryConfig, topic_subject
+from kvwire.kafka.registry.shipped import register_shipped
 from kvwire.schemas import codec
 from kvwire.schemas.events import BlockRemoved, EventBatch, WorkerId, stored
 

@@ -16,7 +16,7 @@ from schema_registry import fresh_subject
 from typer.testing import CliRunner
 
 from kvwire.cli import app
-from kvwire.registry.client import IncompatibleSchema, RegistryClient, RegistryConfig
+from kvwire.kafka.registry.client import IncompatibleSchema, RegistryClient, RegistryConfig
 from kvwire.schemas.codec import CURRENT, VERSIONS
 
 pytestmark = pytest.mark.integration  # a real registry, started by the suite
@@ -130,7 +130,7 @@ def test_register_fails_when_the_registry_refuses_a_version(schema_registry):
 
 
 def test_registry_cli_start_is_idempotent_and_prints_the_url_last(schema_registry):
-    from kvwire.registry.local import LocalRegistry
+    from kvwire.kafka.registry.local import LocalRegistry
 
     if LocalRegistry().url != schema_registry:
         pytest.skip("the suite uses an external registry (KVWIRE_SCHEMA_REGISTRY_URL)")

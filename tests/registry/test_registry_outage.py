@@ -13,9 +13,9 @@ from ci_env import need_java_and_mvn, unavailable
 from wire_workload import produce, reference, workload
 
 from kvwire.consumer.ingest import IndexMember, IngestConfig
-from kvwire.registry.client import RegistryClient, RegistryConfig, topic_subject
-from kvwire.registry.local import LocalRegistry
-from kvwire.registry.shipped import register_shipped
+from kvwire.kafka.registry.client import RegistryClient, RegistryConfig, topic_subject
+from kvwire.kafka.registry.local import LocalRegistry
+from kvwire.kafka.registry.shipped import register_shipped
 from kvwire.schemas import codec
 
 pytestmark = pytest.mark.integration

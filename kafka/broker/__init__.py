@@ -25,7 +25,7 @@ __all__ = [
     "resolve_bootstrap",
 ]
 
-log = logging.getLogger("kvwire.broker")
+log = logging.getLogger("kvwire.kafka.broker")
 _containers: list[DockerKafka] = []
 
 

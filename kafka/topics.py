@@ -105,7 +105,7 @@ async def ensure_topics(
     from aiokafka.admin import AIOKafkaAdminClient, NewTopic
     from aiokafka.errors import TopicAlreadyExistsError, for_code
 
-    from kvwire.options import admin_options
+    from kvwire.kafka.options import admin_options
 
     repl = replication if replication is not None else Replication.from_env()
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, **admin_options(client_options or {}))

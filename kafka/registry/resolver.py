@@ -19,7 +19,7 @@ from kvwire.schemas.codec import SCHEMA_IDS, CodecError, SchemaIds
 
 from .client import NotFound, RegistryClient, RegistryConfig, RegistryUnavailable
 
-log = logging.getLogger("kvwire.registry")
+log = logging.getLogger("kvwire.kafka.registry")
 
 
 class IdResolver:

@@ -20,7 +20,7 @@ from typing import Any
 from .. import daemon
 from . import probe
 
-log = logging.getLogger("kvwire.broker")
+log = logging.getLogger("kvwire.kafka.broker")
 
 POM = Path(__file__).with_name("pom.xml")
 DEFAULT_PORT = 19092
@@ -75,7 +75,7 @@ class LocalKafka:
     ) -> None:
         self.jvm_opts = list(jvm_opts) if jvm_opts is not None else list(JVM_OPTS)
         self.home = Path(home) if home else default_home()
-        # The members of one multi-broker cluster (kvwire.broker.cluster) format with one id.
+        # The members of one multi-broker cluster (kvwire.kafka.broker.cluster) format with one id.
         self.cluster_id = cluster_id
         self.port = port or default_port()
         self.controller_port = self.port + 1
@@ -243,7 +243,7 @@ class LocalKafka:
 
     def _write_config(self) -> None:
         text = "".join(f"{k}={v}\n" for k, v in self.properties().items())
-        self.config_path.write_text("# written by kvwire.broker.LocalKafka; edits are overwritten\n" + text)
+        self.config_path.write_text("# written by kvwire.kafka.broker.LocalKafka; edits are overwritten\n" + text)
 
     def _java(self, *args: str, opts: Sequence[str] = ()) -> list[str]:
         return ["java", *opts, "-cp", f"{self.libs}/*", *args]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .local import POM, BrokerError, LocalKafka
 
-log = logging.getLogger("kvwire.broker")
+log = logging.getLogger("kvwire.kafka.broker")
 
 KAFKA_CONTEXT = Path(__file__).with_name("kafka-image")
 BASE_REF = "localhost/kvwire-base:bookworm"

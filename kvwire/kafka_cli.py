@@ -24,13 +24,13 @@ BrokersOpt = typer.Option(
 
 
 def _broker(home: str | None, port: int | None, brokers: int = 1):
-    from .local import LocalKafka
+    from kvwire.kafka.broker.local import LocalKafka
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     if brokers > 1:
         from pathlib import Path
 
-        from .cluster import LocalCluster
+        from kvwire.kafka.broker.cluster import LocalCluster
 
         return LocalCluster(Path(home) / f"cluster-{brokers}" if home else None, port, brokers)
     return LocalKafka(home, port)
@@ -39,7 +39,7 @@ def _broker(home: str | None, port: int | None, brokers: int = 1):
 @app.command()
 def start(home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = BrokersOpt) -> None:
     """Start (or find running) and print the bootstrap servers as the last stdout line."""
-    from .local import BrokerError
+    from kvwire.kafka.broker.local import BrokerError
 
     t0 = time.monotonic()
     kafka = _broker(home, port, brokers)
@@ -85,7 +85,7 @@ def image(
     """Build the broker image (localhost/kvwire-kafka:<version>) and print its reference last."""
     from pathlib import Path
 
-    from . import image as images
+    from kvwire.kafka.broker import image as images
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
     t0 = time.monotonic()
@@ -115,9 +115,8 @@ def wait(
     --topic creates a missing topic (kvwire's replication rules), so a consumer subscribing to it
     next is assigned its partitions at once instead of at its next metadata refresh."""
     from kvwire.cli_failure import kafka_client_options, one_line
-    from kvwire.options import admin_options
-
-    from . import probe
+    from kvwire.kafka.broker import probe
+    from kvwire.kafka.options import admin_options
 
     with one_line("kafka wait"):
         opts = kafka_client_options(kafka_config)
@@ -129,7 +128,7 @@ def wait(
         time.sleep(0.5)
     typer.echo(f"Kafka at {bootstrap_servers} ready after {time.monotonic() - t0:.1f}s", err=True)
     if topic:
-        from kvwire.topics import ensure_topics
+        from kvwire.kafka.topics import ensure_topics
 
         have = probe.run_sync(lambda: ensure_topics(bootstrap_servers, list(topic), partitions, client_options=opts))
         typer.echo(f"topics: {have}", err=True)

@@ -1,6 +1,6 @@
 """A real schema registry, Apicurio Registry 3.0.9, run from the one Maven Central artifact
 ``io.apicurio:apicurio-registry-app:3.0.9:tar.gz:all`` on the installed Java 17 (3.3.x needs Java
-21, which Debian 12 does not package). Managed like the local Kafka (kvwire.broker.local):
+21, which Debian 12 does not package). Managed like the local Kafka (kvwire.kafka.broker.local):
 idempotent start under a file lock, status, stop; the distribution is resolved once and cached
 under ~/.cache/kvwire. kvwire talks to it through its Confluent-compatible API, the URL that
 start() returns, exactly as it would to Confluent's registry.
@@ -23,10 +23,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvwire import daemon
-from kvwire.broker.probe import port_open
+from kvwire.kafka.broker.probe import port_open
 
-log = logging.getLogger("kvwire.registry")
+from .. import daemon
+
+log = logging.getLogger("kvwire.kafka.registry")
 
 APICURIO_VERSION = "3.0.9"
 ARTIFACT = f"io.apicurio:apicurio-registry-app:{APICURIO_VERSION}:tar.gz:all"

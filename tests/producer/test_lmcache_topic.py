@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from lmcache_mp import require
 
-from kvwire.consumer.lmcache_topic import (
+from kvwire.producer.lmcache_topic import (
     SOURCE,
     LmcacheTopicConverter,
     TopicRecordError,

@@ -28,7 +28,7 @@ from .. import daemon
 from . import probe
 from .local import JVM_OPTS, BrokerError, LocalKafka, default_home, new_cluster_id
 
-log = logging.getLogger("kvwire.broker")
+log = logging.getLogger("kvwire.kafka.broker")
 
 DEFAULT_CLUSTER_PORT = 19192
 # Three JVMs share the machine: a smaller heap each than a lone broker gets.

@@ -1,0 +1,3 @@
+"""Kafka support that producer and consumer share: client properties (`options`), topic
+creation and layout (`topics`), the schema registry client and its local server (`registry/`),
+and the local broker the CLI and tests start (`broker/`, `daemon`)."""
