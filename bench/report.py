@@ -40,6 +40,9 @@ TARGETS: dict[str, tuple[float, str, str]] = {
     "http_score_rps_c32": (10_000, "min", "HTTP scores/s, binary body, 32 clients"),
     "http_score_p99_ms_c32": (5, "max", "HTTP score p99 ms, 32 clients"),
     "http_score_p50_us_c1": (150, "max", "HTTP score p50 µs, one client"),
+    "peers_score_p99_ratio_vs_dynamo_radix": (1.0, "max", "score p99, kvwire / Dynamo RadixTree, same run (peers)"),
+    "peers_score_p50_ratio_vs_dynamo_radix": (1.0, "max", "score p50, kvwire / Dynamo RadixTree, same run (peers)"),
+    "peers_apply_ratio_vs_dynamo_radix": (1.0, "min", "apply blocks/s, kvwire / Dynamo RadixTree, same run (peers)"),
 }
 
 
