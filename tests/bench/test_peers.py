@@ -105,6 +105,16 @@ def test_no_cargo_is_a_clear_error(monkeypatch, tmp_path: Path) -> None:
         peers.harness()
 
 
+def test_a_failed_build_is_a_clear_error(monkeypatch, tmp_path: Path) -> None:
+    # A cargo that fails as a broken build does (compile error, offline registry): the step says so.
+    cargo = tmp_path / "cargo"
+    cargo.write_text("#!/bin/sh\necho 'error: failed to download dynamo-kv-router' >&2\nexit 101\n")
+    cargo.chmod(0o755)
+    monkeypatch.setattr(peers.shutil, "which", lambda _: str(cargo))
+    with pytest.raises(peers.PeersError, match=r"cargo build of bench/peers failed \(exit 101\): error: failed to"):
+        peers.harness()
+
+
 def _raw(apply_cpu_s: float, score_us: float, rss: int) -> dict:
     return {
         "holder_blocks": 1000,
