@@ -40,6 +40,9 @@ TARGETS: dict[str, tuple[float, str, str]] = {
     "http_score_rps_c32": (10_000, "min", "HTTP scores/s, binary body, 32 clients"),
     "http_score_p99_ms_c32": (5, "max", "HTTP score p99 ms, 32 clients"),
     "http_score_p50_us_c1": (150, "max", "HTTP score p50 µs, one client"),
+    "peers_score_p99_ratio_vs_dynamo_radix": (1.0, "max", "score p99, kvwire / Dynamo RadixTree, same run (peers)"),
+    "peers_score_p50_ratio_vs_dynamo_radix": (1.0, "max", "score p50, kvwire / Dynamo RadixTree, same run (peers)"),
+    "peers_apply_ratio_vs_dynamo_radix": (1.0, "min", "apply blocks/s, kvwire / Dynamo RadixTree, same run (peers)"),
 }
 
 
@@ -83,8 +86,72 @@ def _largest(sizes: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
     return label, sizes[label]
 
 
+# Sources of the published figures: ../shared/reference/anchors.md quotes each project's own.
+ANCHORS = "anchors.md"
+
+
+def _peers(res: Results) -> tuple[str, list[tuple[str, str, str, str]]]:
+    """The peers run's sentence and rows: Dynamo's trees measured here beside kvwire (bench/peers)."""
+    pe = res.get("peers") or {}
+    med = pe.get("median") or {}
+    kv, rx, cr = med.get("kvwire") or {}, med.get("radix") or {}, med.get("crtc") or {}
+    pp, la = pe.get("params") or {}, pe.get("load_avg") or {}
+    if not kv:
+        return "`python -m bench.peers` (Dynamo's trees beside kvwire's core): not measured yet.\n\n", []
+
+    def score(f: dict) -> str:
+        return f"{fmt(_get(f, 'score_cpu_us', 'p50'), ' µs')} / {fmt(_get(f, 'score_cpu_us', 'p99'), ' µs')}"
+
+    def ratios(d: str) -> str:
+        return " / ".join(
+            fmt(pe.get(f"peers_{m}_ratio_vs_dynamo_{d}"), "x") for m in ("score_p99", "score_p50", "apply")
+        )
+
+    head = (
+        f"`python -m bench.peers` (kvwire's core through Python beside `dynamo-kv-router` {pp.get('dynamo_kv_router')} "
+        f"from the Rust package registry, on the same dumped workload: {fmt(pp.get('holder_blocks'))} holder-blocks, "
+        f"{fmt(pp.get('workers'))} workers, {fmt(pp.get('query_tokens'))}-token queries; one process per index, "
+        f"alternating, medians of {fmt(pp.get('rounds'))} rounds, on-CPU; every answer equal: "
+        f"{'yes' if pe.get('answers_equal') else 'NO'}; load average {fmt((la.get('start') or [None])[0])} at start, "
+        f"{fmt((la.get('end') or [None])[0])} at end):\n\n"
+    )
+    rows = [
+        (
+            "Peers run: apply, blocks/s on-CPU (kvwire: `apply_batch`, hashing token ids in the core; "
+            "Dynamo: `apply_event` of blocks its publisher already hashed)",
+            fmt(kv.get("apply_blocks_per_s")),
+            f"{fmt(rx.get('apply_blocks_per_s'))} / {fmt(cr.get('apply_blocks_per_s'))} "
+            f"(with that hashing: {fmt(rx.get('apply_blocks_per_s_with_publisher_hashing'))} / "
+            f"{fmt(cr.get('apply_blocks_per_s_with_publisher_hashing'))})",
+            f"Dynamo CRTC bench: 13.26M block ops/s (dynamo#11372, via {ANCHORS})",
+        ),
+        (
+            "Peers run: score 8k tokens, every matched worker, hashing included, p50 / p99 on-CPU",
+            score(kv),
+            f"{score(rx)}; {score(cr)}",
+            f"Dynamo CRTC bench: lookup 2.38 µs / 10.12 µs (dynamo#11372, via {ANCHORS}); SGLang SMG: "
+            f"292 ns / 7.6 µs, hashing excluded ({ANCHORS})",
+        ),
+        (
+            "Peers run: bytes per holder-block, RSS growth (kvwire's own count)",
+            f"{fmt(kv.get('rss_bytes_per_holder_block'), ' B')} ({fmt(kv.get('own_bytes_per_holder_block'), ' B')})",
+            f"{fmt(rx.get('rss_bytes_per_holder_block'), ' B')} / {fmt(cr.get('rss_bytes_per_holder_block'), ' B')}",
+            f"SGLang SMG: positional index 166.7 B/block, its radix tree ~6x smaller; AIBrix: ~64 B/entry, a claim "
+            f"({ANCHORS})",
+        ),
+        (
+            "Peers run: kvwire / Dynamo, median of per-round ratios, score p99 / score p50 / apply "
+            "(score: lower is better for kvwire; apply: higher)",
+            "—",
+            f"RadixTree {ratios('radix')}; CRTC {ratios('crtc')}",
+            "—",
+        ),
+    ]
+    return head, rows
+
+
 def results_table(res: Results) -> str:
-    """Ours beside the anchors' published figures."""
+    """Ours beside Dynamo's trees measured here (bench/peers), and beside the figures others publish."""
     s = res.get("summary", {})
     g = s.get
     sc = res.get("score_latency") or {}
@@ -101,7 +168,7 @@ def results_table(res: Results) -> str:
         (
             "Apply, blocks/s, pre-fetched records (decode + fence + index)",
             fmt(g("apply_core_blocks_per_s")),
-            "SGLang SMG: 4.6-5.5M blocks/s writes (Rust, in memory, no decode); Dynamo: 170M block-ops/s on 24 cores",
+            f"Dynamo Flash Indexer: >10M events+queries/s on 32 cores, 24 event threads ({ANCHORS})",
         ),
         (
             "Apply, blocks/s, one member through the broker (fetch + decode + fence + index)",
@@ -111,12 +178,12 @@ def results_table(res: Results) -> str:
         (
             f"Score 8k tokens{over}, 256 workers, hashing included, top_k 16, p50 / p99 (on-CPU p99)",
             lat("top16", "score_p99_us_8k_tokens"),
-            "SGLang SMG: 292 ns / 7.6 µs (hashing excluded)",
+            f"SGLang SMG: 292 ns / 7.6 µs, hashing excluded ({ANCHORS})",
         ),
         (
             f"Score 8k tokens{over}, every matched worker returned, p50 / p99 (on-CPU p99)",
             lat("all_workers", "score_p99_us_8k_tokens_all_workers"),
-            "not published",
+            f"Dynamo Flash Indexer: p99 < 10 µs ({ANCHORS})",
         ),
         (
             f"Score 8k tokens{over}, top_k 16 without hashing (keys given), p50 / p99 (on-CPU p99)",
@@ -126,18 +193,18 @@ def results_table(res: Results) -> str:
         (
             "Index bytes per holder-block",
             fmt(g("bytes_per_holder_block"), " B"),
-            "SGLang SMG: 26.9 B; AIBrix: ~64 B/entry (claim)",
+            f"AIBrix: ~64 B/entry, a claim ({ANCHORS})",
         ),
         (
             "Event-to-index lag p99 (publish() to applied)",
             f"{fmt(g('lag_p99_ms'), ' ms')} at {fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))} blocks/s "
             f"offered; saturates at {fmt(lg.get('saturated_at_offered_blocks_per_s'))}",
-            "Dynamo: p99 0.6-0.8 ms at 120-255k ops/s, 7k workers; nobody else publishes one",
+            f"none with its source here ({ANCHORS}: event-to-index lag that nobody measures)",
         ),
         (
             "publish() on the engine thread, p99.9: Kafka up / Kafka down",
             f"{fmt(g('publish_p999_us_kafka_up'), ' µs')} / {fmt(g('publish_p999_us_kafka_down'), ' µs')}",
-            "vLLM ZmqEventPublisher: blocking Queue.put (#53859); that pattern measured here: "
+            "vLLM ZmqEventPublisher: blocking Queue.put (vllm#53859); that pattern measured here: "
             + fmt(g("publish_p999_us_blocking_queue"), " µs"),
         ),
         (
@@ -156,17 +223,23 @@ def results_table(res: Results) -> str:
         (
             "Replay, blocks/s / cold start, s per million blocks",
             f"{fmt(g('replay_blocks_per_s'))} / {fmt(g('cold_start_s_per_million_blocks'), ' s')}",
-            "none has a replayable log; sgl-kv-indexer restart: 17% blind routing (in memory)",
+            f"none has a replayable log; sgl-kv-indexer restart: 17% blind routing, in memory ({ANCHORS})",
         ),
     ]
     run = _get(s, "notes", "run") or {}
     head = (
         f"`kvwire bench` ({_run_label(run.get('mode', 'unknown'))}, {fmt(run.get('seconds'), ' s')}, load average at the end "
-        f"{', '.join(fmt(x) for x in run.get('load_avg_at_end', [])) or 'n/a'}):\n\n"
+        f"{', '.join(fmt(x) for x in run.get('load_avg_at_end', [])) or 'n/a'}); "
     )
-    out = ["| | kvwire (ours, measured here) | others (theirs, published) |", "|---|---|---|"]
-    out += [f"| {a} | {b} | {c} |" for a, b, c in rows]
-    return head + "\n".join(out)
+    peers_head, peers_rows = _peers(res)
+    out = [
+        "| | kvwire (ours, measured here) | Dynamo RadixTree / ConcurrentRadixTreeCompressed (measured here, same "
+        "workload, peers run) | others (theirs, published, other machines; source) |",
+        "|---|---|---|---|",
+    ]
+    out += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in peers_rows]
+    out += [f"| {a} | {b} | — | {c} |" for a, b, c in rows]
+    return head + peers_head + "\n".join(out)
 
 
 def targets_table(res: Results) -> str:

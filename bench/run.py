@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from .codec import SUMMARY_KEYS as CODEC_KEYS
+from .peers import SUMMARY_KEYS as PEERS_KEYS
 
 SUMMARY_KEYS = (
     "apply_blocks_per_s",
@@ -46,8 +47,12 @@ SUMMARY_KEYS = (
     "http_score_p99_ms_c32",
     "http_score_p50_us_c1",
     "http_score_rps_c32_json",
+    *PEERS_KEYS,
     "notes",
 )
+
+# Steps that never talk to Kafka: running only these starts no broker.
+BROKERLESS = ("peers",)
 
 _IM_SMOKE = (
     "from bench.index_memory import run; from bench.common import write_result; "
@@ -55,7 +60,7 @@ _IM_SMOKE = (
 )
 
 
-def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
+def steps(mode: str, bootstrap: str, peers_holder_blocks: int | None = None) -> list[tuple[str, list[str], int]]:
     """(name, python args, timeout s) per benchmark, in run order."""
     q = ["--quick"] if mode != "full" else []
     b = ["--bootstrap", bootstrap]
@@ -74,6 +79,11 @@ def steps(mode: str, bootstrap: str) -> list[tuple[str, list[str], int]]:
     ]
     if not tiny:  # fetch grid, fetch + apply, coalescing: minutes even at --quick, so not in the smoke run
         out.append(("kafka_side", ["-m", "bench.kafka_side", *q], 1200))
+    if not tiny:
+        # Dynamo's trees beside kvwire's core (bench/peers): builds a Rust harness against Dynamo's
+        # crate (minutes of CPU the first time), so neither the smoke run nor CI runs it.
+        size = ["--holder-blocks", str(peers_holder_blocks)] if peers_holder_blocks else q
+        out.append(("peers", ["-m", "bench.peers", *size], 3600))
     if not tiny or shutil.which("wrk"):
         # wrk (apt-get install -y wrk) is its load generator; the smoke run skips the step without it.
         hs = ["--holder-blocks", "30000", "--seconds", "1", "--n-queries", "8", "--workers", "1"] if tiny else q
@@ -268,6 +278,20 @@ def summarize(res: dict, errors: dict) -> dict:
         )
     else:
         missing(hk, "http_score")
+    pe = res.get("peers")
+    if pe:
+        for k in PEERS_KEYS:
+            s[k] = pe.get(k)
+        pp, la = pe["params"], pe["load_avg"]
+        notes["peers"] = (
+            f"kvwire / Dynamo (dynamo-kv-router {pp['dynamo_kv_router']}; radix = RadixTree, crtc = "
+            f"ConcurrentRadixTreeCompressed), {pp['holder_blocks']:,} holder-blocks, {pp['workers']} workers, "
+            f"{pp['query_tokens']}-token queries, medians of {pp['rounds']} rounds of alternating processes, "
+            f"on-CPU, hashing included, every answer equal; score lower is better for kvwire, apply higher; "
+            f"load average {la['start'][0]:.2f} at start, {la['end'][0]:.2f} at end (bench/results/peers.json)"
+        )
+    else:
+        missing(PEERS_KEYS, "peers")
     for step, err in errors.items():
         notes.setdefault(f"error_{step}", err)
     s["notes"] = notes
@@ -284,6 +308,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--results", default=None, help="results folder (default bench/results)")
     ap.add_argument("--bootstrap", default=None, help="Kafka bootstrap servers (default: kvwire's resolver)")
+    ap.add_argument(
+        "--peers-holder-blocks", type=int, default=None, help="size of the peers step (default 10M, --quick 1M)"
+    )
     a = ap.parse_args(argv)
     if a.results:
         os.environ["KVWIRE_BENCH_RESULTS"] = str(Path(a.results).resolve())
@@ -295,6 +322,8 @@ def main(argv=None) -> int:
 
     RESULTS = Path(os.environ.get("KVWIRE_BENCH_RESULTS") or common.RESULTS)
     bootstrap = a.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if not bootstrap and a.only and set(a.only) <= set(BROKERLESS):
+        bootstrap = "none (no step of this run uses a broker)"
     if not bootstrap:
         from kvwire.kafka.broker import resolve_bootstrap
 
@@ -310,7 +339,7 @@ def main(argv=None) -> int:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     res, errors, timings = {}, {}, {}
     t_all = time.monotonic()
-    for name, args, timeout in steps(mode, bootstrap):
+    for name, args, timeout in steps(mode, bootstrap, a.peers_holder_blocks):
         if a.only is not None and name not in a.only:
             res[name] = _load(RESULTS, name, 0)
             continue

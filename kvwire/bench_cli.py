@@ -17,6 +17,9 @@ def bench(
     smoke: bool = typer.Option(False, "--smoke", help="Tiny sizes: checks the harness, not speed."),
     only: list[str] = typer.Option(None, "--only", help="Run only this step (repeatable)."),
     results: str = typer.Option(None, "--results", help="Results folder (default bench/results)."),
+    peers_holder_blocks: int = typer.Option(
+        None, "--peers-holder-blocks", help="Size of the peers step (default 10M, --quick 1M)."
+    ),
     bootstrap_servers: OptionalBootstrap = None,
 ) -> None:
     main = _bench_main()
@@ -26,6 +29,8 @@ def bench(
         argv += ["--only", *only]
     if results:
         argv += ["--results", results]
+    if peers_holder_blocks:
+        argv += ["--peers-holder-blocks", str(peers_holder_blocks)]
     if bootstrap_servers:
         argv += ["--bootstrap", bootstrap_servers]
     raise typer.Exit(main(argv))
