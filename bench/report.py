@@ -117,7 +117,7 @@ def _peers(res: Results) -> tuple[str, list[tuple[str, str, str, str]]]:
     )
     rows = [
         (
-            "Peers run: apply, blocks/s on-CPU (kvwire: `apply_batch`, hashing token ids in the core; "
+            "Peers run: apply, blocks/s on-CPU (kvwire: records' bytes through the applier, decoded, fenced and hashed in the core; "
             "Dynamo: `apply_event` of blocks its publisher already hashed)",
             fmt(kv.get("apply_blocks_per_s")),
             f"{fmt(rx.get('apply_blocks_per_s'))} / {fmt(cr.get('apply_blocks_per_s'))} "

@@ -167,7 +167,7 @@ def run(holder_blocks: int, rounds: int, n_queries: int, workdir: Path) -> dict:
         "method": (
             "one process per index per round, order alternating; on-CPU clock of the applying / "
             "querying thread (CRTC: its writer thread); score = hashing + lookup, all matched workers; "
-            "kvwire apply = PrefixIndex.apply_batch of BlockStored (token ids hashed in the core), Dynamo "
+            "kvwire apply = Kafka records' bytes through Applier.apply_records (decoded, fenced, hashed in the core), Dynamo "
             "apply = apply_event of events carrying content hashes its publisher computed (that hashing "
             "reported apart); bytes = RssAnon growth over the build / holder-blocks; ratios = kvwire / "
             "Dynamo per round, median over rounds"

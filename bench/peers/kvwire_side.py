@@ -4,10 +4,12 @@ and ``bench.score_latency`` (score) measure it, on a dump of ``dump.py``.
     python -m bench.peers.kvwire_side DUMP ANSWERS
 
 Prints one JSON object with the same fields as the Rust harness (``src/main.rs``) and writes
-every query's per-worker matched blocks to ANSWERS. Apply: ``PrefixIndex.apply_batch`` of
-BlockStored events built as ``Workload.conversation`` builds them, two per call, timed per
-conversation (building the events is not timed). Score: ``PrefixIndex.score_arrays(tokens)``,
-every matched worker, hashing included.
+every query's per-worker matched blocks to ANSWERS. Apply: the consumer's own path, Kafka
+records' bytes through ``Applier.apply_records`` (the core decodes, fences, hashes and applies
+them), of BlockStored events built as ``Workload.conversation`` builds them, ``events_per_record``
+per record, timed per conversation (building and encoding the records is not timed, as the
+broker hands a consumer bytes). Score: ``PrefixIndex.score_arrays(tokens)``, every matched
+worker, hashing included.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import sys
 import time
 from array import array
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from kvwire.consumer.apply import Applier
 from kvwire.consumer.index import PrefixIndex
-from kvwire.schemas.events import BlockStored
+from kvwire.schemas import codec
+from kvwire.schemas.events import BlockStored, EventBatch
 
 from ..index_memory import Workload
 from .dump import Dump, Header, write_answers
@@ -47,12 +52,24 @@ def events(h: Header, hashes: np.ndarray, tokens: np.ndarray) -> list[BlockStore
     return out
 
 
+class _Record(NamedTuple):
+    """What a Kafka consumer hands the applier: offset, key, value, timestamp."""
+
+    offset: int
+    key: bytes | None
+    value: bytes
+    timestamp: int
+
+
 def run(dump_path: Path, answers_path: Path) -> dict:
     d = Dump(dump_path)
     h = d.header
     ranks = Workload().workers[: h.workers]  # the bench's worker ids; the index maps them to 0..n-1
     rss0 = rss_anon_bytes()
     ix = PrefixIndex()
+    applier = Applier(ix)
+    seqs = [0] * h.workers
+    offset = 0
     cpu, clock = time.thread_time_ns, time.perf_counter_ns
     apply_cpu = apply_wall = 0
     blocks = 0
@@ -60,12 +77,21 @@ def run(dump_path: Path, answers_path: Path) -> dict:
         evs = events(h, hashes, tokens)
         rank = ranks[w]
         k = h.events_per_record
-        c0, t0 = cpu(), clock()
+        recs = []
         for i in range(0, len(evs), k):
-            ix.apply_batch(rank, evs[i : i + k])
+            seq = seqs[w]
+            seqs[w] += 1
+            batch = EventBatch(rank, 1, seq, 0, tuple(evs[i : i + k]), reset=seq == 0)
+            recs.append(_Record(offset, None, codec.encode(batch), 0))
+            offset += 1
+        c0, t0 = cpu(), clock()
+        done = applier.apply_records("peers", 0, recs, budget_us=1 << 40)
         apply_wall += clock() - t0
         apply_cpu += cpu() - c0
+        if done != len(recs) or applier.dead_letters:
+            raise SystemExit(f"kvwire applied {done} of {len(recs)} records: {applier.dead_letters[:1]}")
         blocks += len(hashes)
+        del recs
     rss1 = rss_anon_bytes()
     if len(ix) != h.holder_blocks:
         raise SystemExit(f"kvwire holds {len(ix):,} holder-blocks, the dump says {h.holder_blocks:,}")
