@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
 import numpy as np
@@ -88,6 +88,9 @@ from kvwire.schemas import codec
 from kvwire.schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
 
 from .keys import engine_keys, token_words
+
+if TYPE_CHECKING:
+    from .rank_state import RankTable
 
 DEFAULT_WEIGHTS = {GPU: 1.0, CPU: 0.8, STORAGE: 0.5}
 
@@ -140,6 +143,61 @@ class ScoreArrays(msgspec.Struct, frozen=True):
     by_tokens: np.ndarray  # int64
 
 
+# What one apply_poll call did: (next index, declined, tally, dead letters [(index, reason)],
+# workers seen [(instance_id, dp_rank)]).
+Poll = tuple[int, bool, _core.Tally, list[tuple[int, str]], list[tuple[str, int]]]
+
+
+class Index(Protocol):
+    """What ``consumer.apply.Applier`` asks of an index, and all it asks: ``PrefixIndex`` (the
+    core) and the tests' brute-force model (``tests/oracle.py``) both implement it, so the
+    Applier has one path whichever it holds.
+
+    ``apply_poll`` decodes, fences with ``ranks`` (the fence rule's one home is the core,
+    ``rust/src/fence.rs``) and applies ``records[start:]``, in order, until one is declined
+    or ``budget_us`` is spent; with ``declined``, ``records[next]`` is the declined one, not
+    consumed (the Applier decodes it with the reference decoder). The read side scores with
+    ``exclude`` (the untrusted workers) left out."""
+
+    def apply_poll(
+        self,
+        ranks: RankTable,
+        records: list[Any],
+        start: int,
+        budget_us: int,
+        now_us: int,
+        schema_ids: dict[int, int] | None = None,
+    ) -> Poll: ...
+
+    def drop_rank(self, rank: WorkerId) -> None: ...
+
+    def drop_worker(self, worker: tuple[str, int] | WorkerId) -> None: ...
+
+    def score(
+        self,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        weights: Mapping[str, float] | None = None,
+        workers: Iterable[tuple[str, int]] | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        top_k: int | None = None,
+        exclude: Iterable[tuple[str, int]] | None = None,
+    ) -> list[WorkerScore]: ...
+
+    def score_trusted_json(
+        self,
+        ranks: RankTable,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        top_k: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> bytes: ...
+
+    def workers(self) -> dict[tuple[str, int], WorkerStats]: ...
+
+
 # What apply_batch indexes; any other event is ignored.
 _INDEX_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared)
 _EMPTY = np.zeros(0, np.uint32)
@@ -162,6 +220,18 @@ class PrefixIndex:
         self._media: list[str] = []
 
     # ------------------------------------------------------------ writes
+
+    def apply_poll(
+        self,
+        ranks: RankTable,
+        records: list[Any],
+        start: int,
+        budget_us: int,
+        now_us: int,
+        schema_ids: dict[int, int] | None = None,
+    ) -> Poll:
+        """``Index.apply_poll``: one core call (``rust/src/pipeline.rs``) for the slice."""
+        return _core.apply_poll(self.core, ranks.core, records, start, budget_us, now_us, schema_ids)
 
     def store(self, rank: WorkerId, event: BlockStored) -> None:
         self.apply_batch(rank, (event,))
@@ -263,6 +333,21 @@ class PrefixIndex:
         """The scores as the JSON list ``/v1/score`` returns, encoded by the core."""
         qs = self._queries(token_ids, lora_name, block_size, extra_keys)
         out: bytes = self.core.score(qs, None, None, _wlist(exclude), top_k, True)
+        return out
+
+    def score_trusted_json(
+        self,
+        ranks: RankTable,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        top_k: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> bytes:
+        """``score_json`` of the workers ``ranks`` trusts, those it marks approximate marked so,
+        with the fence read in the same core call as the index (``_core.score_trusted``)."""
+        qs = self._queries(token_ids, lora_name, block_size, extra_keys)
+        out: bytes = _core.score_trusted(self.core, ranks.core, qs, top_k, True)
         return out
 
     def score_keys(
@@ -488,8 +573,10 @@ _EXPORT_HEAD = struct.Struct("<4sHHI")
 
 __all__ = [
     "DEFAULT_WEIGHTS",
+    "Index",
     "IndexOverflow",
     "MalformedEvent",
+    "Poll",
     "PrefixIndex",
     "ScoreArrays",
     "WorkerScore",
