@@ -128,18 +128,17 @@ class Applier(Generic[IndexT]):
             left = budget_us - int((time.perf_counter() - t0) * 1e6)
             if left <= 0:
                 break
-            nxt, declined, tally, dead, seen = self.index.apply_poll(
-                self.ranks, rl, i, left, time.time_ns() // 1000, shipped
-            )
-            self._account(tally)
-            if seen:
-                self.workers_by_partition[partition].update(seen)
-            for j, why in dead:
-                r = rl[j]
-                self._dead(topic, partition, r.offset, r.key, r.value, why, r.timestamp)
+            done = self.index.apply_poll(self.ranks, rl, i, left, time.time_ns() // 1000, shipped)
+            self._account(done.tally)
+            if done.seen:
+                self.workers_by_partition[partition].update(done.seen)
+            for d in done.dead:
+                r = rl[d.index]
+                self._dead(topic, partition, r.offset, r.key, r.value, d.reason, r.timestamp)
+            nxt = done.next
             if nxt > i:
                 self.positions[partition] = rl[nxt - 1].offset + 1
-            if declined:
+            if done.declined:
                 r = rl[nxt]
                 self.declined += 1
                 self.apply_record(topic, partition, r.offset, r.key, r.value, r.timestamp)
@@ -197,17 +196,18 @@ class Applier(Generic[IndexT]):
             value = codec.encode(batch)
         except codec.EncodeError as e:
             raise MalformedEvent(f"a batch the wire cannot carry: {e}") from None
-        _, declined, tally, dead, seen = self.index.apply_poll(self.ranks, [value], 0, 1 << 62, time.time_ns() // 1000)
-        if declined:  # the index decodes everything the codec encodes: a bug, not bad input
+        done = self.index.apply_poll(self.ranks, [value], 0, 1 << 62, time.time_ns() // 1000)
+        if done.declined:  # the index decodes everything the codec encodes: a bug, not bad input
             raise RuntimeError(f"the index declined a record the codec wrote: {_core.decline_reason(value)}")
+        tally = done.tally
         self._account(tally)
-        if seen:
-            self.workers_by_partition[partition].update(seen)
-        if dead:
-            why = dead[0][1]
-            if "IndexOverflow" in why:
-                raise IndexOverflow("reference count ceiling reached; the record was not applied")
-            raise MalformedEvent(why.removeprefix("apply failed: MalformedEvent: "))
+        if done.seen:
+            self.workers_by_partition[partition].update(done.seen)
+        if done.dead:
+            d = done.dead[0]
+            if d.kind == _core.DeadKind.OVERFLOW:
+                raise IndexOverflow(d.message)
+            raise MalformedEvent(d.message)
         if tally.duplicates:
             return Verdict.DUPLICATE
         if tally.stale:

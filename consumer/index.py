@@ -143,9 +143,8 @@ class ScoreArrays(msgspec.Struct, frozen=True):
     by_tokens: np.ndarray  # int64
 
 
-# What one apply_poll call did: (next index, declined, tally, dead letters [(index, reason)],
-# workers seen [(instance_id, dp_rank)]).
-Poll = tuple[int, bool, _core.Tally, list[tuple[int, str]], list[tuple[str, int]]]
+# What one apply_poll call did (the core's class: next, declined, tally, dead, seen).
+Poll = _core.Poll
 
 
 class Index(Protocol):
@@ -253,12 +252,12 @@ class PrefixIndex:
             value = codec.encode(EventBatch(rank, 0, 0, 0, evs))
         except codec.EncodeError as e:
             raise MalformedEvent(f"events the wire cannot carry: {e}") from None
-        status, blocks, msg = _core.apply_events(self.core, value, atomic)
-        if status == _core.ApplyStatus.APPLIED:
-            return int(blocks)
-        if status == _core.ApplyStatus.MALFORMED:
-            raise MalformedEvent(msg)
-        raise IndexOverflow("reference count ceiling reached; the events were not applied")
+        done = _core.apply_events(self.core, value, atomic)
+        if done.status == _core.ApplyStatus.APPLIED:
+            return done.blocks
+        if done.status == _core.ApplyStatus.MALFORMED:
+            raise MalformedEvent(done.message)
+        raise IndexOverflow(done.message)
 
     def clear(self, rank: WorkerId) -> None:
         """AllBlocksCleared: O(that rank's entries), counters kept."""
@@ -428,19 +427,39 @@ class PrefixIndex:
         so order is part of the state).
         """
         ws = sorted({(str(w[0]), int(w[1])) for w in workers})
-        tables, ehs, keys, metas = self.core.export_workers(ws)
+        ex = self.core.export_workers(ws)
         head = msgspec.msgpack.encode(
             {
                 "block_sizes": self.core.block_sizes(),
-                "tables": [list(t) for t in tables],
+                "tables": [
+                    [
+                        t.instance_id,
+                        t.dp_rank,
+                        t.tp_size,
+                        t.tp_rank,
+                        t.medium,
+                        t.group,
+                        t.entries,
+                        t.unknown_removes,
+                        t.duplicate_stores,
+                    ]
+                    for t in ex.tables
+                ],
                 # KV-cache groups and their reach (tail blocks, 0 = every block); an older
                 # reader ignores the key, a blob without it restores groups as full attention.
-                "groups": [list(g) for g in self.core.export_groups(ws)],
+                "groups": [[g.instance_id, g.dp_rank, g.group, g.tail] for g in self.core.export_groups(ws)],
             }
         )
         pad = -(_EXPORT_HEAD.size + len(head)) % 8
         return b"".join(
-            [_EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, 0, len(head)), head, b"\0" * pad, ehs, keys, metas]
+            [
+                _EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, 0, len(head)),
+                head,
+                b"\0" * pad,
+                ex.ehs,
+                ex.keys,
+                ex.metas,
+            ]
         )
 
     def import_workers(self, blob: bytes) -> int:
@@ -509,8 +528,18 @@ class PrefixIndex:
 
     def workers(self) -> dict[tuple[str, int], WorkerStats]:
         return {
-            (inst, dp): WorkerStats(inst, dp, tp, ranks, dict(blocks), entries, orphans, unknown, dups)
-            for inst, dp, tp, ranks, blocks, entries, orphans, unknown, dups in self.core.stats()
+            (s.instance_id, s.dp_rank): WorkerStats(
+                s.instance_id,
+                s.dp_rank,
+                s.tp_size,
+                s.ranks,
+                dict(s.blocks),
+                s.entries,
+                s.orphans,
+                s.unknown_removes,
+                s.duplicate_stores,
+            )
+            for s in self.core.stats()
         }
 
     def holder_blocks(self) -> dict[tuple[tuple[str, int], str], set[int]]:
@@ -555,15 +584,14 @@ def _wlist(workers: Iterable[Any] | None) -> list[tuple[str, int]] | None:
     return [w.worker if isinstance(w, WorkerId) else (str(w[0]), int(w[1])) for w in workers]
 
 
-def _arrays(t: tuple[bytes, ...]) -> ScoreArrays:
-    w, m, s, off, bm, bt = t
+def _arrays(b: _core.ScoreBuffers) -> ScoreArrays:
     return ScoreArrays(
-        np.frombuffer(w, np.uint32),
-        np.frombuffer(m, np.int64),
-        np.frombuffer(s, np.float64),
-        np.frombuffer(off, np.uint32),
-        np.frombuffer(bm, np.uint32),
-        np.frombuffer(bt, np.int64),
+        np.frombuffer(b.worker, np.uint32),
+        np.frombuffer(b.matched_tokens, np.int64),
+        np.frombuffer(b.score, np.float64),
+        np.frombuffer(b.by_off, np.uint32),
+        np.frombuffer(b.by_medium, np.uint32),
+        np.frombuffer(b.by_tokens, np.int64),
     )
 
 

@@ -73,8 +73,18 @@ class RankTable:
     @property
     def ranks(self) -> dict[tuple[str, int, int], RankState]:
         return {
-            (i, d, t): RankState(e, s, tr, seen, deque(ret, maxlen=RETIRED_EPOCHS), why, recs, gaps, approx)
-            for i, d, t, e, s, tr, why, seen, ret, recs, gaps, approx in self.core.ranks()
+            (r.instance_id, r.dp_rank, r.tp_rank): RankState(
+                r.epoch,
+                r.last_seq,
+                r.trusted,
+                r.last_seen_us,
+                deque(r.retired, maxlen=RETIRED_EPOCHS),
+                r.untrusted_reason,
+                r.records,
+                r.gaps,
+                r.approximate,
+            )
+            for r in self.core.ranks()
         }
 
     @property

@@ -29,7 +29,7 @@ import msgspec
 import xxhash
 from keys_oracle import ENGINE_NS, ROOT, block_context, chain_step, context_seed, engine_hash_u64, orphan_root
 
-from kvwire._core import Tally, Verdict, normalize_medium
+from kvwire._core import DeadKind, DeadRecord, Poll, Tally, Verdict, normalize_medium
 from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats
 from kvwire.schemas import codec
 
@@ -165,13 +165,13 @@ class Oracle:
             try:
                 batch = codec.decode(r if isinstance(r, bytes) else r.value)
             except codec.DecodeError:
-                return i, True, Tally(**t), dead, seen
+                return Poll(next=i, declined=True, tally=Tally(**t), dead=dead, seen=seen)
             try:
                 for ev in batch.events:
                     if isinstance(ev, BlockStored):
                         self._shape(ev)
             except MalformedEvent as e:
-                dead.append((i, f"apply failed: MalformedEvent: {e}"))
+                dead.append(DeadRecord(i, DeadKind.MALFORMED, str(e)))
                 continue
             rank = batch.worker
             verdict = ranks.admit(batch)
@@ -191,7 +191,7 @@ class Oracle:
             t["max_lag_us"] = lag if t["max_lag_us"] is None else max(t["max_lag_us"], lag)
             if rank.worker not in seen:
                 seen.append(rank.worker)
-        return len(records), False, Tally(**t), dead, seen
+        return Poll(next=len(records), declined=False, tally=Tally(**t), dead=dead, seen=seen)
 
     def apply_batch(self, rank, events, atomic: bool = False) -> int:
         """PrefixIndex.apply_batch's contract, one event at a time (with ``atomic``, a malformed
