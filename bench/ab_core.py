@@ -75,7 +75,7 @@ def _side(core_path: str, size: int, n: int, apply_blocks: int) -> dict:
         ap = Applier()
         i, now = 0, time.time_ns() // 1000
         while i < len(values):
-            i, *_ = core.apply_poll(ap.index.core, ap.ranks.core, values, i, 10**12, now)
+            i = core.apply_poll(ap.index.core, ap.ranks.core, values, i, 10**12, now).next
 
     out["apply_blocks_per_s"] = round(nblocks / _timed(pipeline, 3))
     return out

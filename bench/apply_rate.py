@@ -154,8 +154,9 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
         i = 0
         now = time.time_ns() // 1000
         while i < len(values):
-            i, declined, *_ = _core.apply_poll(ap.index.core, ap.ranks.core, values, i, 10**12, now)
-            assert not declined
+            done = _core.apply_poll(ap.index.core, ap.ranks.core, values, i, 10**12, now)
+            assert not done.declined
+            i = done.next
         assert ap.index.entries() > 0
 
     core_s = _timed(core_pipeline)

@@ -235,7 +235,7 @@ def run(bootstrap: str, blocks: int, quick: bool) -> dict[str, Any]:
     t0, c0 = time.perf_counter(), time.process_time()
     i = 0
     while i < n:
-        i, *_ = _core.apply_poll(a.index.core, a.ranks.core, recs, i, 1 << 40, time.time_ns() // 1000)
+        i = _core.apply_poll(a.index.core, a.ranks.core, recs, i, 1 << 40, time.time_ns() // 1000).next
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     out["core_only"] = {"blocks_per_s": nblocks / wall, "blocks_per_cpu_s": nblocks / cpu}
     # Where the fetch alone spends a CPU second per block, apply can at best reach 1/(fetch+core).

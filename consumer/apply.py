@@ -7,16 +7,16 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar, cast, overload
 
 import msgspec
 
 from kvwire import _core
 from kvwire.schemas import codec
 from kvwire.schemas.codec import DecodeError
-from kvwire.schemas.events import AllBlocksCleared, EventBatch, WorkerId
+from kvwire.schemas.events import EventBatch, WorkerId
 
-from .index import IndexOverflow, MalformedEvent, PrefixIndex, WorkerScore
+from .index import Index, IndexOverflow, MalformedEvent, PrefixIndex, WorkerScore
 from .metrics import IngestMetrics
 from .rank_state import RankState, RankTable, Verdict
 
@@ -58,7 +58,11 @@ class _Record(Protocol):
     timestamp: int
 
 
-class Applier:
+# The index an Applier holds: the core's (``PrefixIndex``) unless a test hands it a model.
+IndexT = TypeVar("IndexT", bound=Index)
+
+
+class Applier(Generic[IndexT]):
     """Owns the index and the rank table for the partitions it is fed.
 
     One asyncio task feeds it (ingest's loop). Its Python-side state (ranks,
@@ -68,13 +72,28 @@ class Applier:
     applied or none of it.
     """
 
+    index: IndexT
+
+    @overload
     def __init__(
-        self,
-        index: PrefixIndex | None = None,
+        self: Applier[PrefixIndex],
+        index: None = None,
         metrics: IngestMetrics | None = None,
         schema_ids: codec.SchemaIds = codec.SCHEMA_IDS,
-    ):
-        self.index = index if index is not None else PrefixIndex()
+    ) -> None: ...
+
+    @overload
+    def __init__(
+        self, index: IndexT, metrics: IngestMetrics | None = None, schema_ids: codec.SchemaIds = codec.SCHEMA_IDS
+    ) -> None: ...
+
+    def __init__(
+        self,
+        index: IndexT | None = None,
+        metrics: IngestMetrics | None = None,
+        schema_ids: codec.SchemaIds = codec.SCHEMA_IDS,
+    ) -> None:
+        self.index = index if index is not None else cast(IndexT, PrefixIndex())
         # Registry ids of Confluent-framed records, resolved before they are applied
         # (kvwire.kafka.registry.resolver fills the process-wide cache by default).
         self.schema_ids = schema_ids
@@ -109,18 +128,17 @@ class Applier:
             left = budget_us - int((time.perf_counter() - t0) * 1e6)
             if left <= 0:
                 break
-            nxt, declined, tally, dead, seen = _core.apply_poll(
-                self.index.core, self.ranks.core, rl, i, left, time.time_ns() // 1000, shipped
-            )
-            self._account(tally)
-            if seen:
-                self.workers_by_partition[partition].update(seen)
-            for j, why in dead:
-                r = rl[j]
-                self._dead(topic, partition, r.offset, r.key, r.value, why, r.timestamp)
+            done = self.index.apply_poll(self.ranks, rl, i, left, time.time_ns() // 1000, shipped)
+            self._account(done.tally)
+            if done.seen:
+                self.workers_by_partition[partition].update(done.seen)
+            for d in done.dead:
+                r = rl[d.index]
+                self._dead(topic, partition, r.offset, r.key, r.value, d.reason, r.timestamp)
+            nxt = done.next
             if nxt > i:
                 self.positions[partition] = rl[nxt - 1].offset + 1
-            if declined:
+            if done.declined:
                 r = rl[nxt]
                 self.declined += 1
                 self.apply_record(topic, partition, r.offset, r.key, r.value, r.timestamp)
@@ -174,49 +192,27 @@ class Applier:
         The batch is encoded in the current version and takes the core's path,
         the one every record's bytes take: one implementation of decoding,
         fencing, the malformed-store rule and context hashing."""
-        if not isinstance(self.index, PrefixIndex):
-            return self._apply_model(batch, partition)
         try:
             value = codec.encode(batch)
         except codec.EncodeError as e:
             raise MalformedEvent(f"a batch the wire cannot carry: {e}") from None
-        _, declined, tally, dead, seen = _core.apply_poll(
-            self.index.core, self.ranks.core, [value], 0, 1 << 62, time.time_ns() // 1000
-        )
-        if declined:  # the core decodes everything the codec encodes: a bug, not bad input
-            raise RuntimeError(f"the core declined a record the codec wrote: {_core.decline_reason(value)}")
+        done = self.index.apply_poll(self.ranks, [value], 0, 1 << 62, time.time_ns() // 1000)
+        if done.declined:  # the index decodes everything the codec encodes: a bug, not bad input
+            raise RuntimeError(f"the index declined a record the codec wrote: {_core.decline_reason(value)}")
+        tally = done.tally
         self._account(tally)
-        if seen:
-            self.workers_by_partition[partition].update(seen)
-        if dead:
-            why = dead[0][1]
-            if "IndexOverflow" in why:
-                raise IndexOverflow("reference count ceiling reached; the record was not applied")
-            raise MalformedEvent(why.removeprefix("apply failed: MalformedEvent: "))
+        if done.seen:
+            self.workers_by_partition[partition].update(done.seen)
+        if done.dead:
+            d = done.dead[0]
+            if d.kind == _core.DeadKind.OVERFLOW:
+                raise IndexOverflow(d.message)
+            raise MalformedEvent(d.message)
         if tally.duplicates:
             return Verdict.DUPLICATE
         if tally.stale:
             return Verdict.STALE_EPOCH
         return Verdict.RESET if tally.resets else Verdict.APPLY
-
-    def _apply_model(self, batch: EventBatch, partition: Origin) -> Verdict:
-        """The same contract over any index with ``PrefixIndex``'s write methods
-        (tests feed ``tests/oracle.py``'s brute-force model through here)."""
-        rank = batch.worker
-        verdict = self.ranks.admit(batch)
-        dup, stale = verdict == Verdict.DUPLICATE, verdict == Verdict.STALE_EPOCH
-        self._account(_core.Tally(records=1, duplicates=int(dup), stale=int(stale)))
-        if dup or stale:
-            return verdict
-        self.workers_by_partition[partition].add(rank.worker)
-        reset = verdict == Verdict.RESET
-        if reset:
-            self.index.clear(rank)
-        blocks = self.index.apply_batch(rank, batch.events, atomic=True)
-        self._account(_core.Tally(gaps=batch.gap, resets=int(reset), blocks=blocks, events=len(batch.events)))
-        if any(type(e) is AllBlocksCleared for e in batch.events):
-            self.ranks.core.state_known(rank.instance_id, rank.dp_rank, rank.tp_rank)
-        return verdict
 
     def _dead(
         self,
@@ -262,15 +258,7 @@ class Applier:
 
     def score(self, token_ids: Any, lora_name: str | None = None, **kw: Any) -> list[WorkerScore]:
         """Scores of trusted workers only: a worker with a gap scores nothing."""
-        untrusted = self.ranks.untrusted_workers()
-        if isinstance(self.index, PrefixIndex):
-            out = self.index.score(token_ids, lora_name=lora_name, exclude=untrusted, **kw)
-        else:
-            out = [
-                s
-                for s in self.index.score(token_ids, lora_name=lora_name, **kw)
-                if (s.instance_id, s.dp_rank) not in untrusted
-            ]
+        out = self.index.score(token_ids, lora_name=lora_name, exclude=self.ranks.untrusted_workers(), **kw)
         approx = self.ranks.approximate_workers()
         if not approx:
             return out
@@ -288,9 +276,7 @@ class Applier:
     ) -> bytes:
         """``score`` as the JSON list /v1/score returns, hashed, walked, ordered and encoded in the core.
         ``extra_keys``: one entry per block, as vLLM publishes them (``kvwire.consumer.tenants``)."""
-        qs = self.index._queries(token_ids, lora_name, block_size, extra_keys)
-        out: bytes = _core.score_trusted(self.index.core, self.ranks.core, qs, top_k, True)
-        return out
+        return self.index.score_trusted_json(self.ranks, token_ids, lora_name, block_size, top_k, extra_keys)
 
     def workers(self) -> list[dict[str, Any]]:
         """Per worker: blocks, epochs, last seqs, trust, last seen (for /v1/workers)."""

@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 import msgspec
 import numpy as np
@@ -88,6 +88,9 @@ from kvwire.schemas import codec
 from kvwire.schemas.events import CPU, GPU, STORAGE, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, WorkerId
 
 from .keys import engine_keys, token_words
+
+if TYPE_CHECKING:
+    from .rank_state import RankTable
 
 DEFAULT_WEIGHTS = {GPU: 1.0, CPU: 0.8, STORAGE: 0.5}
 
@@ -140,6 +143,60 @@ class ScoreArrays(msgspec.Struct, frozen=True):
     by_tokens: np.ndarray  # int64
 
 
+# What one apply_poll call did (the core's class: next, declined, tally, dead, seen).
+Poll = _core.Poll
+
+
+class Index(Protocol):
+    """What ``consumer.apply.Applier`` asks of an index, and all it asks: ``PrefixIndex`` (the
+    core) and the tests' brute-force model (``tests/oracle.py``) both implement it, so the
+    Applier has one path whichever it holds.
+
+    ``apply_poll`` decodes, fences with ``ranks`` (the fence rule's one home is the core,
+    ``rust/src/fence.rs``) and applies ``records[start:]``, in order, until one is declined
+    or ``budget_us`` is spent; with ``declined``, ``records[next]`` is the declined one, not
+    consumed (the Applier decodes it with the reference decoder). The read side scores with
+    ``exclude`` (the untrusted workers) left out."""
+
+    def apply_poll(
+        self,
+        ranks: RankTable,
+        records: list[Any],
+        start: int,
+        budget_us: int,
+        now_us: int,
+        schema_ids: dict[int, int] | None = None,
+    ) -> Poll: ...
+
+    def drop_rank(self, rank: WorkerId) -> None: ...
+
+    def drop_worker(self, worker: tuple[str, int] | WorkerId) -> None: ...
+
+    def score(
+        self,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        weights: Mapping[str, float] | None = None,
+        workers: Iterable[tuple[str, int]] | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        top_k: int | None = None,
+        exclude: Iterable[tuple[str, int]] | None = None,
+    ) -> list[WorkerScore]: ...
+
+    def score_trusted_json(
+        self,
+        ranks: RankTable,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        top_k: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> bytes: ...
+
+    def workers(self) -> dict[tuple[str, int], WorkerStats]: ...
+
+
 # What apply_batch indexes; any other event is ignored.
 _INDEX_EVENTS = (BlockStored, BlockRemoved, AllBlocksCleared)
 _EMPTY = np.zeros(0, np.uint32)
@@ -163,6 +220,18 @@ class PrefixIndex:
 
     # ------------------------------------------------------------ writes
 
+    def apply_poll(
+        self,
+        ranks: RankTable,
+        records: list[Any],
+        start: int,
+        budget_us: int,
+        now_us: int,
+        schema_ids: dict[int, int] | None = None,
+    ) -> Poll:
+        """``Index.apply_poll``: one core call (``rust/src/pipeline.rs``) for the slice."""
+        return _core.apply_poll(self.core, ranks.core, records, start, budget_us, now_us, schema_ids)
+
     def store(self, rank: WorkerId, event: BlockStored) -> None:
         self.apply_batch(rank, (event,))
 
@@ -183,12 +252,12 @@ class PrefixIndex:
             value = codec.encode(EventBatch(rank, 0, 0, 0, evs))
         except codec.EncodeError as e:
             raise MalformedEvent(f"events the wire cannot carry: {e}") from None
-        status, blocks, msg = _core.apply_events(self.core, value, atomic)
-        if status == _core.ApplyStatus.APPLIED:
-            return int(blocks)
-        if status == _core.ApplyStatus.MALFORMED:
-            raise MalformedEvent(msg)
-        raise IndexOverflow("reference count ceiling reached; the events were not applied")
+        done = _core.apply_events(self.core, value, atomic)
+        if done.status == _core.ApplyStatus.APPLIED:
+            return done.blocks
+        if done.status == _core.ApplyStatus.MALFORMED:
+            raise MalformedEvent(done.message)
+        raise IndexOverflow(done.message)
 
     def clear(self, rank: WorkerId) -> None:
         """AllBlocksCleared: O(that rank's entries), counters kept."""
@@ -263,6 +332,21 @@ class PrefixIndex:
         """The scores as the JSON list ``/v1/score`` returns, encoded by the core."""
         qs = self._queries(token_ids, lora_name, block_size, extra_keys)
         out: bytes = self.core.score(qs, None, None, _wlist(exclude), top_k, True)
+        return out
+
+    def score_trusted_json(
+        self,
+        ranks: RankTable,
+        token_ids: Any,
+        lora_name: str | None = None,
+        block_size: int | None = None,
+        top_k: int | None = None,
+        extra_keys: Sequence[Any] | None = None,
+    ) -> bytes:
+        """``score_json`` of the workers ``ranks`` trusts, those it marks approximate marked so,
+        with the fence read in the same core call as the index (``_core.score_trusted``)."""
+        qs = self._queries(token_ids, lora_name, block_size, extra_keys)
+        out: bytes = _core.score_trusted(self.core, ranks.core, qs, top_k, True)
         return out
 
     def score_keys(
@@ -343,19 +427,39 @@ class PrefixIndex:
         so order is part of the state).
         """
         ws = sorted({(str(w[0]), int(w[1])) for w in workers})
-        tables, ehs, keys, metas = self.core.export_workers(ws)
+        ex = self.core.export_workers(ws)
         head = msgspec.msgpack.encode(
             {
                 "block_sizes": self.core.block_sizes(),
-                "tables": [list(t) for t in tables],
+                "tables": [
+                    [
+                        t.instance_id,
+                        t.dp_rank,
+                        t.tp_size,
+                        t.tp_rank,
+                        t.medium,
+                        t.group,
+                        t.entries,
+                        t.unknown_removes,
+                        t.duplicate_stores,
+                    ]
+                    for t in ex.tables
+                ],
                 # KV-cache groups and their reach (tail blocks, 0 = every block); an older
                 # reader ignores the key, a blob without it restores groups as full attention.
-                "groups": [list(g) for g in self.core.export_groups(ws)],
+                "groups": [[g.instance_id, g.dp_rank, g.group, g.tail] for g in self.core.export_groups(ws)],
             }
         )
         pad = -(_EXPORT_HEAD.size + len(head)) % 8
         return b"".join(
-            [_EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, 0, len(head)), head, b"\0" * pad, ehs, keys, metas]
+            [
+                _EXPORT_HEAD.pack(_EXPORT_MAGIC, _EXPORT_VERSION, 0, len(head)),
+                head,
+                b"\0" * pad,
+                ex.ehs,
+                ex.keys,
+                ex.metas,
+            ]
         )
 
     def import_workers(self, blob: bytes) -> int:
@@ -424,8 +528,18 @@ class PrefixIndex:
 
     def workers(self) -> dict[tuple[str, int], WorkerStats]:
         return {
-            (inst, dp): WorkerStats(inst, dp, tp, ranks, dict(blocks), entries, orphans, unknown, dups)
-            for inst, dp, tp, ranks, blocks, entries, orphans, unknown, dups in self.core.stats()
+            (s.instance_id, s.dp_rank): WorkerStats(
+                s.instance_id,
+                s.dp_rank,
+                s.tp_size,
+                s.ranks,
+                dict(s.blocks),
+                s.entries,
+                s.orphans,
+                s.unknown_removes,
+                s.duplicate_stores,
+            )
+            for s in self.core.stats()
         }
 
     def holder_blocks(self) -> dict[tuple[tuple[str, int], str], set[int]]:
@@ -470,15 +584,14 @@ def _wlist(workers: Iterable[Any] | None) -> list[tuple[str, int]] | None:
     return [w.worker if isinstance(w, WorkerId) else (str(w[0]), int(w[1])) for w in workers]
 
 
-def _arrays(t: tuple[bytes, ...]) -> ScoreArrays:
-    w, m, s, off, bm, bt = t
+def _arrays(b: _core.ScoreBuffers) -> ScoreArrays:
     return ScoreArrays(
-        np.frombuffer(w, np.uint32),
-        np.frombuffer(m, np.int64),
-        np.frombuffer(s, np.float64),
-        np.frombuffer(off, np.uint32),
-        np.frombuffer(bm, np.uint32),
-        np.frombuffer(bt, np.int64),
+        np.frombuffer(b.worker, np.uint32),
+        np.frombuffer(b.matched_tokens, np.int64),
+        np.frombuffer(b.score, np.float64),
+        np.frombuffer(b.by_off, np.uint32),
+        np.frombuffer(b.by_medium, np.uint32),
+        np.frombuffer(b.by_tokens, np.int64),
     )
 
 
@@ -488,8 +601,10 @@ _EXPORT_HEAD = struct.Struct("<4sHHI")
 
 __all__ = [
     "DEFAULT_WEIGHTS",
+    "Index",
     "IndexOverflow",
     "MalformedEvent",
+    "Poll",
     "PrefixIndex",
     "ScoreArrays",
     "WorkerScore",

@@ -26,6 +26,7 @@ ingest's one-call-per-poll pipeline fences each record; this is its Python face.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import msgspec
 
@@ -57,6 +58,22 @@ class RankState(msgspec.Struct):
     # Its latest record came from a source that cannot observe removals.
     approximate: bool = False
 
+    @classmethod
+    def of(cls, r: Any) -> RankState:
+        """From a row holding these fields by name: the core's ``Fence.ranks()`` rows, or a
+        snapshot's ``RankRecord``."""
+        return cls(
+            r.epoch,
+            r.last_seq,
+            r.trusted,
+            r.last_seen_us,
+            deque(r.retired, maxlen=RETIRED_EPOCHS),
+            r.untrusted_reason,
+            r.records,
+            r.gaps,
+            r.approximate,
+        )
+
 
 class RankTable:
     """Fencing decisions for every rank seen in the partitions we own.
@@ -72,10 +89,7 @@ class RankTable:
 
     @property
     def ranks(self) -> dict[tuple[str, int, int], RankState]:
-        return {
-            (i, d, t): RankState(e, s, tr, seen, deque(ret, maxlen=RETIRED_EPOCHS), why, recs, gaps, approx)
-            for i, d, t, e, s, tr, why, seen, ret, recs, gaps, approx in self.core.ranks()
-        }
+        return {(r.instance_id, r.dp_rank, r.tp_rank): RankState.of(r) for r in self.core.ranks()}
 
     @property
     def tp_size(self) -> dict[tuple[str, int], int]:

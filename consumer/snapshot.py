@@ -50,7 +50,6 @@ import struct
 import time
 import uuid
 import zlib
-from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -62,7 +61,7 @@ from kvwire.kafka.options import admin_options
 from kvwire.kafka.topics import Replication, partition_count
 
 from .apply import Applier
-from .rank_state import RETIRED_EPOCHS, RankState
+from .rank_state import RankState
 
 log = logging.getLogger(__name__)
 
@@ -206,17 +205,7 @@ def load(applier: Applier, body: SnapshotBody, untrusted_reason: str | None = No
         _forget(applier, workers | set(applier.index.workers()) - _held_elsewhere(applier, body.partition))
         raise SnapshotError(f"index does not load: {e}") from None
     for r in body.ranks:
-        st = RankState(
-            r.epoch,
-            r.last_seq,
-            r.trusted,
-            r.last_seen_us,
-            deque(r.retired, maxlen=RETIRED_EPOCHS),
-            r.untrusted_reason,
-            r.records,
-            r.gaps,
-            r.approximate,
-        )
+        st = RankState.of(r)
         if untrusted_reason:
             st.trusted, st.untrusted_reason = False, untrusted_reason
         applier.ranks.restore((r.instance_id, r.dp_rank, r.tp_rank), st, r.tp_size)

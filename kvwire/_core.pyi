@@ -2,7 +2,7 @@
 # The index engineer's half (rust/src/py_index.rs) adds its own names below the decoder's.
 
 import enum
-from typing import Any, final
+from typing import Any, Literal, final, overload
 
 from kvwire.schemas.events import EventBatch
 
@@ -45,6 +45,61 @@ class ScoreQuery:
         tokens_per_key: int
         def __init__(self, keys: Any, tokens_per_key: int) -> None: ...
 
+@final
+class ScoreBuffers:
+    """A score call's results as little-endian arrays, best first (``consumer.index.ScoreArrays``)."""
+
+    worker: bytes  # u32 worker ids
+    matched_tokens: bytes  # i64
+    score: bytes  # f64
+    by_off: bytes  # u32, one more than results
+    by_medium: bytes  # u32 medium ids
+    by_tokens: bytes  # i64
+
+@final
+class StatsRow:
+    """A worker's index statistics, the fields of ``consumer.index.WorkerStats``."""
+
+    instance_id: str
+    dp_rank: int
+    tp_size: int
+    ranks: int
+    blocks: list[tuple[str, int]]
+    entries: int
+    orphans: int
+    unknown_removes: int
+    duplicate_stores: int
+
+@final
+class TableRow:
+    """One exported table, a row of the snapshot blob's header."""
+
+    instance_id: str
+    dp_rank: int
+    tp_size: int
+    tp_rank: int
+    medium: str
+    group: int
+    entries: int
+    unknown_removes: int
+    duplicate_stores: int
+
+@final
+class Exported:
+    tables: list[TableRow]
+    ehs: bytes  # u64 engine hashes, table after table
+    keys: bytes  # u64 block keys
+    metas: bytes  # u16 refcount|flags
+
+@final
+class GroupReach:
+    """A KV-cache group and the blocks before a prefix's end it must hold (0: every block)."""
+
+    instance_id: str
+    dp_rank: int
+    group: int
+    tail: int
+
 class Index:
     def __init__(
         self,
@@ -56,6 +111,7 @@ class Index:
     def clear(self, inst: str, dp: int, tp_rank: int) -> None: ...
     def drop_rank(self, inst: str, dp: int, tp_rank: int) -> None: ...
     def drop_worker(self, inst: str, dp: int) -> None: ...
+    @overload
     def score(
         self,
         queries: list[ScoreQuery],
@@ -63,12 +119,22 @@ class Index:
         workers: list[tuple[str, int]] | None = None,
         exclude: list[tuple[str, int]] | None = None,
         top_k: int | None = None,
-        as_json: bool = False,
-    ) -> Any: ...
+        as_json: Literal[False] = False,
+    ) -> ScoreBuffers: ...
+    @overload
+    def score(
+        self,
+        queries: list[ScoreQuery],
+        weights: dict[str, float] | None,
+        workers: list[tuple[str, int]] | None,
+        exclude: list[tuple[str, int]] | None,
+        top_k: int | None,
+        as_json: Literal[True],
+    ) -> bytes: ...
     def worker_names(self) -> list[tuple[str, int]]: ...
     def media(self) -> list[str]: ...
     def wm_names(self) -> list[tuple[str, int, str]]: ...
-    def stats(self) -> list[tuple[str, int, int, int, list[tuple[str, int]], int, int, int, int]]: ...
+    def stats(self) -> list[StatsRow]: ...
     def holder_keys(self) -> tuple[bytes, bytes]: ...
     def __len__(self) -> int: ...
     def entries(self) -> int: ...
@@ -76,12 +142,10 @@ class Index:
     def block_sizes(self) -> list[int]: ...
     def add_block_sizes(self, sizes: list[int]) -> None: ...
     def has_blocks(self) -> bool: ...
-    def export_groups(self, workers: list[tuple[str, int]]) -> list[tuple[str, int, int, int]]: ...
+    def export_groups(self, workers: list[tuple[str, int]]) -> list[GroupReach]: ...
     def import_group(self, inst: str, dp: int, group: int, tail: int) -> None: ...
     def digest(self, seeds: Any) -> tuple[int, int]: ...
-    def export_workers(
-        self, workers: list[tuple[str, int]]
-    ) -> tuple[list[tuple[str, int, int, int, str, int, int, int, int]], bytes, bytes, bytes]: ...
+    def export_workers(self, workers: list[tuple[str, int]]) -> Exported: ...
     def import_table(
         self,
         inst: str,
@@ -166,6 +230,61 @@ class Tally:
         max_lag_us: int | None = None,
     ) -> None: ...
 
+@final
+class EventsApplied:
+    """What ``apply_events`` did: the blocks its events named, or why it applied nothing."""
+
+    status: ApplyStatus
+    blocks: int
+    message: str
+
+@final
+class DeadKind(enum.Enum):
+    MALFORMED = 0
+    OVERFLOW = 1
+
+@final
+class DeadRecord:
+    """A record of an ``apply_poll`` call that goes to the dead-letter topic."""
+
+    index: int
+    kind: DeadKind
+    message: str
+    def __init__(self, index: int, kind: DeadKind, message: str) -> None: ...
+    @property
+    def reason(self) -> str:
+        """The dead letter's reason: "apply failed: <error>: <message>"."""
+
+@final
+class Poll:
+    """What one ``apply_poll`` call did; with ``declined``, ``records[next]`` was declined."""
+
+    next: int
+    declined: bool
+    tally: Tally
+    dead: list[DeadRecord]
+    seen: list[tuple[str, int]]
+    def __init__(
+        self, *, next: int, declined: bool, tally: Tally, dead: list[DeadRecord], seen: list[tuple[str, int]]
+    ) -> None: ...
+
+@final
+class RankRow:
+    """One rank's fence state, the fields of ``consumer.rank_state.RankState``."""
+
+    instance_id: str
+    dp_rank: int
+    tp_rank: int
+    epoch: int
+    last_seq: int
+    trusted: bool
+    untrusted_reason: str
+    last_seen_us: int
+    retired: list[int]
+    records: int
+    gaps: int
+    approximate: bool
+
 class Fence:
     def __init__(self) -> None: ...
     def admit(self, batch: EventBatch) -> Verdict: ...
@@ -177,7 +296,7 @@ class Fence:
     def forget(self, inst: str, dp: int, tp_rank: int) -> None: ...
     def forget_worker(self, inst: str, dp: int) -> None: ...
     def state_known(self, inst: str, dp: int, tp_rank: int) -> None: ...
-    def ranks(self) -> list[tuple[str, int, int, int, int, bool, str, int, list[int], int, int, bool]]: ...
+    def ranks(self) -> list[RankRow]: ...
     def tp_sizes(self) -> list[tuple[str, int, int]]: ...
     def restore(self, rank: tuple[str, int, int], tp_size: int, state: Any) -> None:
         """``state``: a ``kvwire.consumer.rank_state.RankState``."""
@@ -190,8 +309,8 @@ def apply_poll(
     budget_us: int,
     now_us: int,
     schema_ids: dict[int, int] | None = None,
-) -> tuple[int, bool, Tally, list[tuple[int, str]], list[tuple[str, int]]]: ...
-def apply_events(index: Index, value: bytes, atomic: bool) -> tuple[ApplyStatus, int, str]: ...
+) -> Poll: ...
+def apply_events(index: Index, value: bytes, atomic: bool) -> EventsApplied: ...
 def score_trusted(
     index: Index, fence: Fence, queries: list[ScoreQuery], top_k: int | None = None, as_json: bool = True
 ) -> Any: ...

@@ -25,11 +25,13 @@ Written here as a search over every candidate L.
 
 from __future__ import annotations
 
+import msgspec
 import xxhash
 from keys_oracle import ENGINE_NS, ROOT, block_context, chain_step, context_seed, engine_hash_u64, orphan_root
 
-from kvwire._core import normalize_medium
+from kvwire._core import DeadKind, DeadRecord, Poll, Tally, Verdict, normalize_medium
 from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats
+from kvwire.schemas import codec
 
 M64 = (1 << 64) - 1
 
@@ -67,6 +69,9 @@ class _Entry:
 
 
 class Oracle:
+    """The model, as ``kvwire.consumer.index.Index``: an ``Applier(index=Oracle())`` feeds it
+    records the way it feeds the core, fenced by the same (Rust) ``RankTable``."""
+
     def __init__(self, weights=None, default_weight: float = 0.5):
         self.weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
         self.default_weight = default_weight
@@ -145,6 +150,48 @@ class Oracle:
                 if e is not None and not e.engine:
                     return e.key, e.orphan
         return orphan_root(peh), True
+
+    def apply_poll(self, ranks, records, start, budget_us, now_us, schema_ids=None):
+        """``Index.apply_poll`` over the model: the reference decoder (a record it cannot decode
+        is declined, so the Applier's own reference path dead-letters it), the model's
+        malformed-store rule before the fence, the core's fence (``ranks``), then the model.
+        Without ceilings it never overflows; it ignores the budget."""
+        from kvwire.schemas.events import AllBlocksCleared, BlockStored
+
+        t = dict(records=0, duplicates=0, stale=0, gaps=0, resets=0, blocks=0, events=0, max_lag_us=None)
+        dead, seen = [], []
+        for i in range(start, len(records)):
+            r = records[i]
+            try:
+                batch = codec.decode(r if isinstance(r, bytes) else r.value)
+            except codec.DecodeError:
+                return Poll(next=i, declined=True, tally=Tally(**t), dead=dead, seen=seen)
+            try:
+                for ev in batch.events:
+                    if isinstance(ev, BlockStored):
+                        self._shape(ev)
+            except MalformedEvent as e:
+                dead.append(DeadRecord(i, DeadKind.MALFORMED, str(e)))
+                continue
+            rank = batch.worker
+            verdict = ranks.admit(batch)
+            t["records"] += 1
+            if verdict in (Verdict.DUPLICATE, Verdict.STALE_EPOCH):
+                t["duplicates" if verdict == Verdict.DUPLICATE else "stale"] += 1
+                continue
+            t["gaps"] += batch.gap
+            if verdict == Verdict.RESET:
+                t["resets"] += 1
+                self.clear(rank)
+            t["blocks"] += self.apply_batch(rank, batch.events)
+            t["events"] += len(batch.events)
+            if any(type(e) is AllBlocksCleared for e in batch.events):
+                ranks.core.state_known(rank.instance_id, rank.dp_rank, rank.tp_rank)
+            lag = now_us - batch.ts_us
+            t["max_lag_us"] = lag if t["max_lag_us"] is None else max(t["max_lag_us"], lag)
+            if rank.worker not in seen:
+                seen.append(rank.worker)
+        return Poll(next=len(records), declined=False, tally=Tally(**t), dead=dead, seen=seen)
 
     def apply_batch(self, rank, events, atomic: bool = False) -> int:
         """PrefixIndex.apply_batch's contract, one event at a time (with ``atomic``, a malformed
@@ -255,11 +302,35 @@ class Oracle:
             )
         return out
 
-    def score(self, token_ids, lora_name=None, block_size=None, weights=None, workers=None, extra_keys=None):
+    def score(
+        self,
+        token_ids,
+        lora_name=None,
+        block_size=None,
+        weights=None,
+        workers=None,
+        extra_keys=None,
+        top_k=None,
+        exclude=None,
+    ):
         sizes = [block_size] if block_size else sorted(self.block_sizes)
         toks = list(token_ids)
         per_bs = [(bs, chain(toks, bs, ROOT, lora_name, extra_keys)) for bs in sizes]
-        return self._score(per_bs, weights, workers)
+        out = self._score(per_bs, weights, workers)
+        if exclude is not None:
+            ex = {tuple(w) for w in exclude}
+            out = [s for s in out if (s.instance_id, s.dp_rank) not in ex]
+        return out if top_k is None else out[:top_k]
+
+    def score_trusted_json(self, ranks, token_ids, lora_name=None, block_size=None, top_k=None, extra_keys=None):
+        approx = ranks.approximate_workers()
+        out = [
+            msgspec.structs.replace(s, approximate=True) if (s.instance_id, s.dp_rank) in approx else s
+            for s in self.score(
+                token_ids, lora_name, block_size, extra_keys=extra_keys, top_k=top_k, exclude=ranks.untrusted_workers()
+            )
+        ]
+        return msgspec.json.encode(out)
 
     def score_engine_hashes(self, hashes, block_size=1, weights=None, workers=None):
         return self._score([(block_size, [engine_hash_u64(h) ^ ENGINE_NS for h in hashes])], weights, workers)

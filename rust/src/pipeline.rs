@@ -35,9 +35,8 @@ use crate::keys::{self, Key};
 use crate::py_index::{wait_borrow, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
-/// Why a record was dead-lettered after its bytes decoded.
-const OVERFLOW_REASON: &str =
-    "apply failed: IndexOverflow: reference count ceiling reached; the events were not applied";
+/// What an overflowed record's dead letter says after its kind.
+const OVERFLOW_MESSAGE: &str = "reference count ceiling reached; the events were not applied";
 
 /// What the records of one call did, for the counters (`Applier._account`).
 #[pyclass(module = "kvwire._core", frozen, get_all)]
@@ -89,12 +88,87 @@ pub enum ApplyStatus {
     Overflow,
 }
 
+/// Why the core dead-lettered a record whose bytes it decoded.
+#[pyclass(module = "kvwire._core", eq, eq_int, frozen)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeadKind {
+    /// A store whose token ids do not cover its blocks: nothing applied, not fenced.
+    #[pyo3(name = "MALFORMED")]
+    Malformed,
+    /// A reference count reached its ceiling: nothing applied, the seq consumed, the rank untrusted.
+    #[pyo3(name = "OVERFLOW")]
+    Overflow,
+}
+
+impl DeadKind {
+    /// The Python exception the reference path raises for the same record.
+    fn error(self) -> &'static str {
+        match self {
+            DeadKind::Malformed => "MalformedEvent",
+            DeadKind::Overflow => "IndexOverflow",
+        }
+    }
+}
+
+/// A record of an `apply_poll` call that goes to the dead-letter topic.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+#[derive(Clone, Debug)]
+pub struct DeadRecord {
+    /// Its index in the call's `records`.
+    pub index: usize,
+    pub kind: DeadKind,
+    pub message: String,
+}
+
+#[pymethods]
+impl DeadRecord {
+    /// A dead record found outside the core (an index model's `apply_poll`, in tests).
+    #[new]
+    fn new(index: usize, kind: DeadKind, message: String) -> Self {
+        DeadRecord { index, kind, message }
+    }
+
+    /// The dead letter's reason, worded as the reference path's: "apply failed: <error>: <message>".
+    #[getter]
+    fn reason(&self) -> String {
+        format!("apply failed: {}: {}", self.kind.error(), self.message)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("DeadRecord(index={}, kind={:?}, message={:?})", self.index, self.kind, self.message)
+    }
+}
+
+/// What one `apply_poll` call did. With `declined`, `records[next]` is the record the fast
+/// decoder declined, not consumed.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+#[derive(Clone)]
+pub struct Poll {
+    /// The index of the first record not consumed.
+    pub next: usize,
+    pub declined: bool,
+    pub tally: Tally,
+    pub dead: Vec<DeadRecord>,
+    /// Workers (instance_id, dp_rank) whose records were fenced and applied or overflowed.
+    pub seen: Vec<(String, i64)>,
+}
+
+#[pymethods]
+impl Poll {
+    /// A poll counted outside the core (an index model's `apply_poll`, in tests).
+    #[new]
+    #[pyo3(signature = (*, next, declined, tally, dead, seen))]
+    fn new(next: usize, declined: bool, tally: Tally, dead: Vec<DeadRecord>, seen: Vec<(String, i64)>) -> Self {
+        Poll { next, declined, tally, dead, seen }
+    }
+}
+
 /// Outcome of applying one fenced record.
 enum Applied {
     Ok,
     Skipped,
-    /// Dead-letter with this reason.
-    Dead(String),
+    /// Dead-letter it.
+    Dead(DeadKind, String),
 }
 
 /// Fence and apply one decoded record (both entry points end here).
@@ -102,7 +176,7 @@ fn apply_one(ix: &mut Index, fence: &mut Fence, s: &Stamp, evs: &mut Vec<Ev>, t:
     // Whole record or nothing: a malformed event found halfway would leave
     // the events before it applied and the sequence advanced, yet dead-lettered.
     if let Err(ApplyError::Malformed(_, m)) = Index::validate(evs) {
-        return Applied::Dead(format!("apply failed: MalformedEvent: {m}"));
+        return Applied::Dead(DeadKind::Malformed, m);
     }
     let verdict = fence.admit(s);
     t.records += 1;
@@ -144,7 +218,7 @@ fn apply_one(ix: &mut Index, fence: &mut Fence, s: &Stamp, evs: &mut Vec<Ev>, t:
             // Nothing of it was applied but its seq is consumed: the rank's
             // view now lacks a record, so it scores nothing until its state is known again.
             fence.distrust(s.inst, s.dp, s.tp_rank, "a record could not be applied (reference count ceiling)".into());
-            Applied::Dead(OVERFLOW_REASON.into())
+            Applied::Dead(DeadKind::Overflow, OVERFLOW_MESSAGE.into())
         }
     }
 }
@@ -275,13 +349,7 @@ fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
 
 /// Decode, fence and apply `records[start:]` (bytes values, or objects with a
 /// `.value`) until one is declined or `budget_us` is spent. `schema_ids`:
-/// {registry id: shipped writer version} for Confluent-framed values. Returns
-/// (next index, declined: bool, tally, dead letters [(index, reason)],
-/// workers seen [(instance_id, dp_rank)]). With `declined`, `records[next]`
-/// is the declined one (not consumed).
-/// What `apply_poll` returns: (next index, declined, tally, dead letters, workers seen).
-type Poll = (usize, bool, Tally, Vec<(usize, String)>, Vec<(String, i64)>);
-
+/// {registry id: shipped writer version} for Confluent-framed values.
 #[pyfunction]
 #[pyo3(signature = (index, fence, records, start, budget_us, now_us, schema_ids=None))]
 pub fn apply_poll<'py>(
@@ -310,21 +378,21 @@ pub fn apply_poll<'py>(
         let item = records.get_item(i)?;
         let value = if item.is_instance_of::<PyBytes>() { item } else { item.getattr(value_attr)? };
         let Ok(b) = value.cast::<PyBytes>() else {
-            return Ok((i, true, t, dead, seen));
+            return Ok(Poll { next: i, declined: true, tally: t, dead, seen });
         };
         let Ok(rec) = decode::decode_framed(b.as_bytes(), |id| version_of(schema_ids, id)) else {
-            return Ok((i, true, t, dead, seen));
+            return Ok(Poll { next: i, declined: true, tally: t, dead, seen });
         };
         let o = own(&rec, ix);
         let mut evs = events(&rec, &o);
         let s = stamp(&rec);
         match apply_one(ix, f, &s, &mut evs, &mut t, now_us) {
-            Applied::Dead(why) => {
+            Applied::Dead(kind, message) => {
                 // An overflowed record was fenced (its rank is known here); a malformed one was not.
-                if why == OVERFLOW_REASON && !seen.iter().any(|(a, d)| a == s.inst && *d == s.dp) {
+                if kind == DeadKind::Overflow && !seen.iter().any(|(a, d)| a == s.inst && *d == s.dp) {
                     seen.push((s.inst.to_owned(), s.dp));
                 }
-                dead.push((i, why));
+                dead.push(DeadRecord { index: i, kind, message });
             }
             Applied::Skipped => {}
             Applied::Ok => {
@@ -338,14 +406,23 @@ pub fn apply_poll<'py>(
             break;
         }
     }
-    Ok((i, false, t, dead, seen))
+    Ok(Poll { next: i, declined: false, tally: t, dead, seen })
+}
+
+/// What `apply_events` did: its status, the blocks the events named when applied, and what
+/// was malformed when not.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct EventsApplied {
+    pub status: ApplyStatus,
+    pub blocks: u64,
+    pub message: String,
 }
 
 /// Apply one record's events to its rank without the fence (`PrefixIndex.apply_batch`, which
 /// encodes the events it is given). With `atomic`, a malformed event applies nothing.
-/// Returns (status, blocks, message). Raises ValueError for bytes the fast decoder declines.
+/// Raises ValueError for bytes the fast decoder declines.
 #[pyfunction]
-pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<(ApplyStatus, u64, String)> {
+pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<EventsApplied> {
     let rec =
         decode::decode(value).map_err(|d| PyValueError::new_err(format!("not a record the core decodes: {d}")))?;
     let ixg = index.borrow_mut();
@@ -356,14 +433,32 @@ pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> P
     let w = &rec.worker;
     let rank =
         RankId { inst: w.instance_id, dp: w.dp_rank.into(), tp_rank: w.tp_rank.into(), tp_size: w.tp_size.into() };
-    Ok(match ix.apply(&rank, &evs, atomic) {
+    let (status, blocks, message) = match ix.apply(&rank, &evs, atomic) {
         Ok(n) => (ApplyStatus::Applied, n, String::new()),
         Err(ApplyError::Malformed(_, m)) => (ApplyStatus::Malformed, 0, m),
-        Err(ApplyError::Overflow) => (ApplyStatus::Overflow, 0, String::new()),
-    })
+        Err(ApplyError::Overflow) => (ApplyStatus::Overflow, 0, OVERFLOW_MESSAGE.into()),
+    };
+    Ok(EventsApplied { status, blocks, message })
 }
 
-type RankRow = (String, i64, i64, i64, i64, bool, String, i64, Vec<i64>, i64, i64, bool);
+/// One rank's fence state (`Fence.ranks()`), the fields of `consumer.rank_state.RankState`
+/// under the rank's names.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct RankRow {
+    pub instance_id: String,
+    pub dp_rank: i64,
+    pub tp_rank: i64,
+    pub epoch: i64,
+    pub last_seq: i64,
+    pub trusted: bool,
+    pub untrusted_reason: String,
+    pub last_seen_us: i64,
+    /// Epochs the rank left, oldest first.
+    pub retired: Vec<i64>,
+    pub records: i64,
+    pub gaps: i64,
+    pub approximate: bool,
+}
 
 /// `kvwire.consumer.rank_state.RankTable`'s state, in Rust.
 #[pyclass(module = "kvwire._core", name = "Fence")]
@@ -437,26 +532,24 @@ impl PyFence {
         self.fence.state_known(inst, dp, tp_rank);
     }
 
-    /// Every rank: (inst, dp, tp_rank, epoch, last_seq, trusted, reason, last_seen_us, retired, records, gaps).
+    /// Every rank's state.
     fn ranks(slf: &Bound<'_, Self>) -> Vec<RankRow> {
         let this = wait_borrow(slf);
         this.fence
             .all()
-            .map(|(i, d, t, s)| {
-                (
-                    i.to_owned(),
-                    d,
-                    t,
-                    s.epoch,
-                    s.last_seq,
-                    s.trusted,
-                    s.reason.clone(),
-                    s.last_seen_us,
-                    s.retired.iter().copied().collect(),
-                    s.records,
-                    s.gaps,
-                    s.approximate,
-                )
+            .map(|(i, d, t, s)| RankRow {
+                instance_id: i.to_owned(),
+                dp_rank: d,
+                tp_rank: t,
+                epoch: s.epoch,
+                last_seq: s.last_seq,
+                trusted: s.trusted,
+                untrusted_reason: s.reason.clone(),
+                last_seen_us: s.last_seen_us,
+                retired: s.retired.iter().copied().collect(),
+                records: s.records,
+                gaps: s.gaps,
+                approximate: s.approximate,
             })
             .collect()
     }
@@ -526,6 +619,11 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Verdict>()?;
     m.add_class::<Tally>()?;
     m.add_class::<ApplyStatus>()?;
+    m.add_class::<EventsApplied>()?;
+    m.add_class::<DeadKind>()?;
+    m.add_class::<DeadRecord>()?;
+    m.add_class::<Poll>()?;
+    m.add_class::<RankRow>()?;
     m.add_function(wrap_pyfunction!(apply_poll, m)?)?;
     m.add_function(wrap_pyfunction!(apply_events, m)?)?;
     m.add_function(wrap_pyfunction!(score_trusted, m)?)?;

@@ -9,7 +9,7 @@ use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Try
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::index::{Index, Query, RankId, Scores, TableBlob};
 use crate::keys::{self, Ctx};
@@ -105,18 +105,6 @@ pub struct ScoreArgs<'a, 'py> {
     pub as_json: bool,
 }
 
-/// A worker's `stats()`: (inst, dp, tp_size, ranks, blocks per medium, entries, orphans,
-/// unknown removes, duplicate stores), the fields of `consumer.index.WorkerStats`.
-type StatsRow = (String, i64, u32, usize, Vec<(String, i64)>, i64, i64, i64, i64);
-
-/// `export_workers`: the blob header's table rows, then engine hashes, keys and metas.
-type Exported<'py> = (
-    Vec<(String, i64, u32, i64, String, i64, i64, i64, i64)>,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-);
-
 #[pyclass(module = "kvwire._core", name = "Index")]
 pub struct PyIndex {
     ix: Shared,
@@ -175,24 +163,83 @@ impl PyIndex {
     }
 }
 
-pub fn scores_tuple<'py>(py: Python<'py>, s: &Scores) -> PyResult<Bound<'py, PyTuple>> {
-    let w: Vec<u8> = s.worker.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let m: Vec<u8> = s.matched.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let sc: Vec<u8> = s.score.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let off: Vec<u8> = s.by_off.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let bm: Vec<u8> = s.by_medium.iter().flat_map(|x| x.to_le_bytes()).collect();
-    let bt: Vec<u8> = s.by_tokens.iter().flat_map(|x| x.to_le_bytes()).collect();
-    PyTuple::new(
-        py,
-        [
-            PyBytes::new(py, &w),
-            PyBytes::new(py, &m),
-            PyBytes::new(py, &sc),
-            PyBytes::new(py, &off),
-            PyBytes::new(py, &bm),
-            PyBytes::new(py, &bt),
-        ],
-    )
+/// A score call's results as little-endian arrays, best first (`consumer.index.ScoreArrays`
+/// reads them without a copy): result i is worker `worker[i]` (u32 id) with `matched_tokens[i]`
+/// (i64) and `score[i]` (f64); its per-medium runs are `by_medium[by_off[i]..by_off[i+1]]`
+/// (u32 medium ids) with `by_tokens` (i64) of the same slice.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct ScoreBuffers {
+    pub worker: Py<PyBytes>,
+    pub matched_tokens: Py<PyBytes>,
+    pub score: Py<PyBytes>,
+    pub by_off: Py<PyBytes>,
+    pub by_medium: Py<PyBytes>,
+    pub by_tokens: Py<PyBytes>,
+}
+
+fn le_bytes<const N: usize, T: Copy>(py: Python<'_>, v: &[T], f: fn(T) -> [u8; N]) -> Py<PyBytes> {
+    let b: Vec<u8> = v.iter().flat_map(|x| f(*x)).collect();
+    PyBytes::new(py, &b).unbind()
+}
+
+pub fn score_buffers(py: Python<'_>, s: &Scores) -> ScoreBuffers {
+    ScoreBuffers {
+        worker: le_bytes(py, &s.worker, u32::to_le_bytes),
+        matched_tokens: le_bytes(py, &s.matched, i64::to_le_bytes),
+        score: le_bytes(py, &s.score, f64::to_le_bytes),
+        by_off: le_bytes(py, &s.by_off, u32::to_le_bytes),
+        by_medium: le_bytes(py, &s.by_medium, u32::to_le_bytes),
+        by_tokens: le_bytes(py, &s.by_tokens, i64::to_le_bytes),
+    }
+}
+
+/// A worker's index statistics (`Index.stats()`), the fields of `consumer.index.WorkerStats`.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct StatsRow {
+    pub instance_id: String,
+    pub dp_rank: i64,
+    pub tp_size: u32,
+    pub ranks: usize,
+    /// Holder-blocks per medium.
+    pub blocks: Vec<(String, i64)>,
+    pub entries: i64,
+    pub orphans: i64,
+    pub unknown_removes: i64,
+    pub duplicate_stores: i64,
+}
+
+/// One exported table: what names it and its counters, a row of the snapshot blob's header.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct TableRow {
+    pub instance_id: String,
+    pub dp_rank: i64,
+    pub tp_size: u32,
+    pub tp_rank: i64,
+    pub medium: String,
+    pub group: i64,
+    pub entries: i64,
+    pub unknown_removes: i64,
+    pub duplicate_stores: i64,
+}
+
+/// `export_workers`: the tables in the index's order, then their entries' engine hashes (u64),
+/// keys (u64) and metas (u16, refcount|flags), table after table.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct Exported {
+    pub tables: Vec<Py<TableRow>>,
+    pub ehs: Py<PyBytes>,
+    pub keys: Py<PyBytes>,
+    pub metas: Py<PyBytes>,
+}
+
+/// A worker's KV-cache group and what a prefix needs of it (`export_groups`): its last
+/// `tail` blocks, or every block when `tail` is 0.
+#[pyclass(module = "kvwire._core", frozen, get_all)]
+pub struct GroupReach {
+    pub instance_id: String,
+    pub dp_rank: i64,
+    pub group: i64,
+    pub tail: u32,
 }
 
 /// Append a float as JSON (msgspec's form: a whole number keeps ".0").
@@ -350,7 +397,7 @@ impl PyIndex {
         if let Some(j) = json {
             return Ok(PyBytes::new(py, j.as_bytes()).into_any());
         }
-        Ok(scores_tuple(py, &s)?.into_any())
+        Ok(Bound::new(py, score_buffers(py, &s))?.into_any())
     }
 }
 
@@ -389,7 +436,7 @@ impl PyIndex {
         self.write(py).drop_worker(inst, dp);
     }
 
-    /// Score queries (`ScoreQuery`); returns `scores_tuple` arrays, or the JSON list when
+    /// Score queries (`ScoreQuery`); returns `ScoreBuffers`, or the JSON list when
     /// `as_json`. The walk runs without the GIL (see `Shared`).
     #[pyo3(signature = (queries, weights=None, workers=None, exclude=None, top_k=None, as_json=false))]
     pub fn score<'py>(
@@ -435,7 +482,17 @@ impl PyIndex {
         let ix = this.read();
         ix.stats()
             .into_iter()
-            .map(|s| (s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown, s.dups))
+            .map(|s| StatsRow {
+                instance_id: s.inst,
+                dp_rank: s.dp,
+                tp_size: s.tp_size,
+                ranks: s.ranks,
+                blocks: s.blocks,
+                entries: s.entries,
+                orphans: s.orphans,
+                unknown_removes: s.unknown,
+                duplicate_stores: s.dups,
+            })
             .collect()
     }
 
@@ -483,9 +540,8 @@ impl PyIndex {
         }
     }
 
-    /// The KV-cache groups of these workers and what each needs:
-    /// [(inst, dp, group, tail blocks or 0 for every block)].
-    fn export_groups(slf: &Bound<'_, Self>, workers: Vec<(String, i64)>) -> Vec<(String, i64, i64, u32)> {
+    /// The KV-cache groups of these workers and what each needs.
+    fn export_groups(slf: &Bound<'_, Self>, workers: Vec<(String, i64)>) -> Vec<GroupReach> {
         let this = wait_borrow(slf);
         let ix = this.read();
         let mut out = vec![];
@@ -496,7 +552,7 @@ impl PyIndex {
                         crate::index::Reach::Full => 0,
                         crate::index::Reach::Tail(n) => n,
                     };
-                    out.push((inst.clone(), dp, g.group, tail));
+                    out.push(GroupReach { instance_id: inst.clone(), dp_rank: dp, group: g.group, tail });
                 }
             }
         }
@@ -526,9 +582,8 @@ impl PyIndex {
         Ok(ix.digest(&s))
     }
 
-    /// The tables of these workers, in their order (ranks, then tables):
-    /// ([(inst, dp, tp_size, tp_rank, medium, group, entries, unknown, dups)], ehs, keys, metas).
-    fn export_workers<'py>(&self, py: Python<'py>, workers: Vec<(String, i64)>) -> Exported<'py> {
+    /// The tables of these workers, in their order (ranks, then tables).
+    fn export_workers(&self, py: Python<'_>, workers: Vec<(String, i64)>) -> PyResult<Exported> {
         let ix = self.read();
         let mut tables = vec![];
         let (mut ehs, mut ks, mut ms): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
@@ -539,17 +594,18 @@ impl PyIndex {
             let wk = &ix.workers[w as usize];
             for r in &wk.ranks {
                 for t in &r.tables {
-                    tables.push((
-                        inst.clone(),
-                        dp,
-                        wk.tp_size,
-                        r.tp_rank,
-                        ix.media[t.medium as usize].clone(),
-                        t.group,
-                        t.count,
-                        t.unknown,
-                        t.dups,
-                    ));
+                    let row = TableRow {
+                        instance_id: inst.clone(),
+                        dp_rank: dp,
+                        tp_size: wk.tp_size,
+                        tp_rank: r.tp_rank,
+                        medium: ix.media[t.medium as usize].clone(),
+                        group: t.group,
+                        entries: t.count,
+                        unknown_removes: t.unknown,
+                        duplicate_stores: t.dups,
+                    };
+                    tables.push(Py::new(py, row)?);
                     for (e, k, m) in t.entries() {
                         ehs.extend_from_slice(&e.to_le_bytes());
                         ks.extend_from_slice(&k.to_le_bytes());
@@ -558,7 +614,12 @@ impl PyIndex {
                 }
             }
         }
-        (tables, PyBytes::new(py, &ehs), PyBytes::new(py, &ks), PyBytes::new(py, &ms))
+        Ok(Exported {
+            tables,
+            ehs: PyBytes::new(py, &ehs).unbind(),
+            keys: PyBytes::new(py, &ks).unbind(),
+            metas: PyBytes::new(py, &ms).unbind(),
+        })
     }
 
     // One argument per field of a blob header's table row, which Python reads and checks.
@@ -596,5 +657,10 @@ impl PyIndex {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyIndex>()?;
     m.add_class::<ScoreQuery>()?;
+    m.add_class::<ScoreBuffers>()?;
+    m.add_class::<StatsRow>()?;
+    m.add_class::<TableRow>()?;
+    m.add_class::<Exported>()?;
+    m.add_class::<GroupReach>()?;
     Ok(())
 }

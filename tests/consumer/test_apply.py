@@ -62,3 +62,43 @@ def test_reads_from_another_thread_wait_for_an_apply_call_instead_of_raising():
     sizes, untrusted, workers, scores = got["reads"]
     assert sizes == [16] and untrusted == set() and workers[("w", 0)].blocks == {"GPU": 2}
     assert scores[0].matched_tokens == 32  # it read the index after the call: both blocks
+
+
+def test_the_core_and_the_oracle_behind_one_applier_agree():
+    """Both ``Index`` implementations take one path through the Applier: the same records
+    (a bad one, a duplicate, a gap, an undecodable value, a new epoch) leave the same dead
+    letters, trust, blocks and scores, fenced by the same core fence."""
+    from oracle import Oracle
+
+    U = WorkerId("u", tp_size=2)
+    U1 = WorkerId("u", tp_rank=1, tp_size=2)
+    values = [
+        codec.encode(EventBatch(W, 1, 0, 0, (stored([1, 2], range(32), 16),), reset=True)),
+        codec.encode(EventBatch(W, 1, 1, 0, (stored([3], range(20), 16),))),  # malformed
+        codec.encode(EventBatch(W, 1, 1, 0, (stored([5], range(32, 48), 16, 2),))),
+        codec.encode(EventBatch(W, 1, 1, 0, (stored([5], range(32, 48), 16, 2),))),  # duplicate
+        b"\x00not a record",
+        codec.encode(EventBatch(U, 7, 0, 0, (stored([9, 8], range(32), 16),), reset=True)),
+        codec.encode(EventBatch(U1, 7, 0, 0, (stored([9, 8], range(32), 16),), reset=True)),
+        codec.encode(EventBatch(U1, 7, 2, 1, (stored([7], range(32, 48), 16, 8),))),  # gap
+        codec.encode(EventBatch(W, 2, 0, 0, (stored([1], range(16), 16),), reset=True)),  # new epoch
+    ]
+    from typing import NamedTuple
+
+    class Rec(NamedTuple):  # the fields of a ConsumerRecord the Applier reads
+        offset: int
+        key: bytes | None
+        value: bytes
+        timestamp: int
+
+    recs = [Rec(i, b"k", v, 0) for i, v in enumerate(values)]
+    core, model = Applier(), Applier(index=Oracle())
+    for a in (core, model):
+        assert a.apply_records("t", 0, recs, budget_us=1 << 40) == len(recs)
+    assert [d.offset for d in core.take_dead_letters()] == [d.offset for d in model.take_dead_letters()] == [1, 4]
+    assert core.index.holder_blocks() == model.index.holder_blocks()
+    assert core.ranks.untrusted_workers() == model.ranks.untrusted_workers() == {("u", 0)}
+    for q in (list(range(48)), list(range(16)), list(range(32))):
+        assert core.score(q) == model.score(q)
+        assert core.score_json(q) == model.score_json(q)
+    assert core.workers() == model.workers()

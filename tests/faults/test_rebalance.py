@@ -38,7 +38,7 @@ CHURN = ["+a", "+b", "+c", "-b", "+d", "-a", "+e"]
 
 
 def _owned(m: IndexMember) -> set[int]:
-    c = m._consumer
+    c = m.membership.consumer
     return {tp.partition for tp in c.assignment()} if c is not None else set()
 
 

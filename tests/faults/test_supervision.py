@@ -131,7 +131,7 @@ async def test_dead_ingest_task_turns_health_red(kafka_bootstrap, new_topic):
         assert r.status == 503 and "ingest_task_dead" in body["failure"], body
         metrics = await (await client.get("/metrics")).text()
         assert _metric(metrics, 'kvwire_index_failed{reason="ingest_task_dead"}') == 1.0
-        assert member._failed.is_set()
+        assert member.supervisor.failed.is_set()
     finally:
         if client is not None:
             await client.close()
