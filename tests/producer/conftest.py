@@ -3,23 +3,14 @@ optional engines, and a Kafka reader that decodes kvwire records."""
 
 from __future__ import annotations
 
-import importlib
-import socket
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import pytest
-from ci_env import unavailable
-
-
-def require(module: str):
-    """importorskip locally; under CI=true the engines are installed, so a missing one FAILS."""
-    try:
-        return importlib.import_module(module)
-    except Exception as e:
-        unavailable(f"{module} is not installed (CI installs it): {e}")
+from ci_env import require
+from polling import free_port, wait_for
 
 
 @dataclass
@@ -67,23 +58,6 @@ class MemorySink:
 @pytest.fixture
 def sink() -> MemorySink:
     return MemorySink()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(cond, what: str, timeout: float = 60.0, step: float = 0.02):
-    """Wait for a condition; the limit only bounds a hang, it asserts no speed."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = cond()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def read_batches(bootstrap: str, topic: str, until, timeout: float = 90.0) -> list:
