@@ -77,7 +77,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -128,6 +128,15 @@ class WorkerStats(msgspec.Struct, frozen=True):
     orphans: int  # live entries under an orphan chain
     unknown_removes: int
     duplicate_stores: int
+
+
+class KeyHolding(NamedTuple):
+    """One row of ``PrefixIndex.worker_holding``."""
+
+    position: int  # in the keys asked about
+    medium: str
+    group: int
+    held: bool  # every TP rank of the worker has it
 
 
 class ScoreArrays(msgspec.Struct, frozen=True):
@@ -192,6 +201,10 @@ class Index(Protocol):
         block_size: int | None = None,
         top_k: int | None = None,
         extra_keys: Sequence[Any] | None = None,
+    ) -> bytes: ...
+
+    def score_trusted_keys_json(
+        self, ranks: RankTable, keys: np.ndarray, block_size: int | None = None, top_k: int | None = None
     ) -> bytes: ...
 
     def workers(self) -> dict[tuple[str, int], WorkerStats]: ...
@@ -349,6 +362,18 @@ class PrefixIndex:
         out: bytes = _core.score_trusted(self.core, ranks.core, qs, top_k, True)
         return out
 
+    def score_trusted_keys_json(
+        self, ranks: RankTable, keys: np.ndarray, block_size: int | None = None, top_k: int | None = None
+    ) -> bytes:
+        """``score_trusted_json`` of precomputed keys, each worth ``block_size`` tokens (or, without
+        it, the block size of the worker holding it)."""
+        k = np.ascontiguousarray(keys, np.uint64)
+        sizes = (block_size,) if block_size else self.core.block_sizes()
+        out: bytes = _core.score_trusted(
+            self.core, ranks.core, [_core.ScoreQuery.Keys(k, bs) for bs in sizes], top_k, True
+        )
+        return out
+
     def score_keys(
         self,
         keys: np.ndarray,
@@ -370,6 +395,29 @@ class PrefixIndex:
         """``score_keys`` as arrays (the fast path without hashing)."""
         k = np.ascontiguousarray(keys, np.uint64)
         return _arrays(self.core.score([_core.ScoreQuery.Keys(k, block_size)], None, None, None, top_k))
+
+    def score_media(
+        self,
+        media: Sequence[str],
+        token_ids: Any = None,
+        lora_name: str | None = None,
+        extra_keys: Sequence[Any] | None = None,
+        keys: np.ndarray | None = None,
+        block_size: int | None = None,
+        workers: Iterable[tuple[str, int]] | None = None,
+    ) -> ScoreArrays:
+        """``score_arrays`` (of ``token_ids``, or of precomputed ``keys``) counting only the
+        blocks that ``media`` hold: one tier's view of the prefix, e.g. held on the device, or on
+        the device or the host. A key is worth ``block_size`` tokens, or, without it, the block
+        size of the worker holding it (a block's key names its tokens, so it only matches a
+        worker of the block size it was hashed in)."""
+        if keys is not None:
+            k = np.ascontiguousarray(keys, np.uint64)
+            sizes = (block_size,) if block_size else self.core.block_sizes()
+            qs: list[_core.ScoreQuery] = [_core.ScoreQuery.Keys(k, bs) for bs in sizes]
+        else:
+            qs = self._queries(token_ids, lora_name, block_size, extra_keys)
+        return _arrays(self.core.score_media(qs, list(media), _wlist(workers)))
 
     def score_engine_hashes(
         self,
@@ -552,6 +600,40 @@ class PrefixIndex:
             out.setdefault(((inst, dp), medium), set()).add(k)
         return out
 
+    def worker_holding(self, worker: tuple[str, int], keys: np.ndarray) -> list[KeyHolding]:
+        """Of ``keys``, where the worker's ranks have each: one row per (key, medium, group) some
+        rank has, ``held`` when all its TP ranks do (the rule ``len(index)`` counts). A key no
+        rank of the worker has gets no row. For the event streams (``consumer.stream_table``),
+        which must ask the index who holds what instead of keeping a rule of their own."""
+        k = np.ascontiguousarray(keys, np.uint64)
+        idx, med, grp, held = self.core.worker_holding(worker[0], int(worker[1]), k)
+        media = self.media()
+        return [
+            KeyHolding(i, media[m], g, bool(h))
+            for i, m, g, h in zip(
+                np.frombuffer(idx, np.uint32).tolist(),
+                np.frombuffer(med, np.uint32).tolist(),
+                np.frombuffer(grp, np.int64).tolist(),
+                held,
+                strict=True,
+            )
+        ]
+
+    def worker_held(self, worker: tuple[str, int]) -> dict[tuple[str, int], set[int]]:
+        """(medium, group) -> keys the worker holds (all TP ranks), orphans and engine-hash
+        entries left out: O(the worker's entries)."""
+        keys, med, grp = self.core.worker_held(worker[0], int(worker[1]))
+        media = self.media()
+        out: dict[tuple[str, int], set[int]] = {}
+        for k, m, g in zip(
+            np.frombuffer(keys, np.uint64).tolist(),
+            np.frombuffer(med, np.uint32).tolist(),
+            np.frombuffer(grp, np.int64).tolist(),
+            strict=True,
+        ):
+            out.setdefault((media[m], g), set()).add(k)
+        return out
+
     def block_sizes(self) -> list[int]:
         return list(self.core.block_sizes())
 
@@ -603,6 +685,7 @@ __all__ = [
     "DEFAULT_WEIGHTS",
     "Index",
     "IndexOverflow",
+    "KeyHolding",
     "MalformedEvent",
     "Poll",
     "PrefixIndex",

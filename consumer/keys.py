@@ -100,6 +100,13 @@ def prompt_keys(
     return block_keys(token_ids, block_size, ROOT, lora_name, extra_keys)
 
 
+def sequence_keys(content_hashes: Any) -> np.ndarray:
+    """Keys of a prompt given as its full blocks' content hashes (uint64, Dynamo's
+    ``compute_block_hash_for_seq``): the sequence-hash chain from ``ROOT``."""
+    c = np.ascontiguousarray(content_hashes, dtype="<u8")
+    return np.frombuffer(_core.sequence_keys(c), np.uint64)
+
+
 def engine_hash_u64(h: Any) -> int:
     """An engine hash as the uint64 id the index stores: ints (negative
     LMCache ones too) modulo 2^64, digests through xxh3."""
@@ -134,6 +141,7 @@ __all__ = [
     "engine_keys",
     "orphan_root",
     "prompt_keys",
+    "sequence_keys",
     "token_words",
     "xxh3_64",
 ]

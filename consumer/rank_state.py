@@ -57,6 +57,8 @@ class RankState(msgspec.Struct):
     gaps: int = 0
     # Its latest record came from a source that cannot observe removals.
     approximate: bool = False
+    # The served model its records name ("" until one does): Dynamo's model_name selects by it.
+    model: str = ""
 
     @classmethod
     def of(cls, r: Any) -> RankState:
@@ -72,6 +74,7 @@ class RankState(msgspec.Struct):
             r.records,
             r.gaps,
             r.approximate,
+            r.model,
         )
 
 

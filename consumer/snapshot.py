@@ -99,6 +99,8 @@ class RankRecord(msgspec.Struct, array_like=True):
     # Appended later: a snapshot without it decodes as False, and a reader that predates it
     # ignores the trailing field.
     approximate: bool = False
+    # Appended later too: a snapshot without it restores the rank's model as "" until its next record.
+    model: str = ""
 
 
 class SnapshotBody(msgspec.Struct, array_like=True):
@@ -172,6 +174,7 @@ def capture(applier: Applier, topic: str, partition: int) -> SnapshotBody:
             s.records,
             s.gaps,
             s.approximate,
+            s.model,
         )
         for (i, d, t), s in sorted(applier.ranks.ranks.items())
         if (i, d) in workers

@@ -323,12 +323,27 @@ class Oracle:
         return out if top_k is None else out[:top_k]
 
     def score_trusted_json(self, ranks, token_ids, lora_name=None, block_size=None, top_k=None, extra_keys=None):
+        scores = self.score(
+            token_ids, lora_name, block_size, extra_keys=extra_keys, top_k=top_k, exclude=ranks.untrusted_workers()
+        )
+        return self._trusted_json(ranks, scores)
+
+    def score_trusted_keys_json(self, ranks, keys, block_size=None, top_k=None):
+        sizes = [block_size] if block_size else sorted(self.block_sizes)
+        ks = [int(k) for k in keys]
+        untrusted = {tuple(w) for w in ranks.untrusted_workers()}
+        scores = [
+            s
+            for s in self._score([(bs, ks) for bs in sizes], None, None)
+            if (s.instance_id, s.dp_rank) not in untrusted
+        ]
+        return self._trusted_json(ranks, scores if top_k is None else scores[:top_k])
+
+    @staticmethod
+    def _trusted_json(ranks, scores):
         approx = ranks.approximate_workers()
         out = [
-            msgspec.structs.replace(s, approximate=True) if (s.instance_id, s.dp_rank) in approx else s
-            for s in self.score(
-                token_ids, lora_name, block_size, extra_keys=extra_keys, top_k=top_k, exclude=ranks.untrusted_workers()
-            )
+            msgspec.structs.replace(s, approximate=True) if (s.instance_id, s.dp_rank) in approx else s for s in scores
         ]
         return msgspec.json.encode(out)
 

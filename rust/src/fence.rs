@@ -70,6 +70,9 @@ pub struct RankState {
     /// removals: its blocks may outlive the engine's, so its scores are
     /// marked approximate. Each admitted record sets it afresh.
     pub approximate: bool,
+    /// The served model the rank's records name (the latest that named one; "" if none did):
+    /// what Dynamo's `model_name` selects workers by.
+    pub model: String,
 }
 
 /// One record's fencing input.
@@ -85,6 +88,7 @@ pub struct Stamp<'a> {
     pub reset: bool,
     pub gap: i64,
     pub approximate: bool,
+    pub model: &'a str,
 }
 
 #[derive(Default)]
@@ -104,6 +108,9 @@ fn note(st: &mut RankState, s: &Stamp) {
     st.records += 1;
     st.last_seen_us = st.last_seen_us.max(s.ts_us);
     st.approximate = s.approximate;
+    if !s.model.is_empty() && st.model != s.model {
+        st.model = s.model.to_owned();
+    }
     if s.gap != 0 {
         st.gaps += s.gap;
         distrust(st, format!("producer lost {} batch(es) before seq {}", s.gap, s.seq));
@@ -142,6 +149,7 @@ impl Fence {
                 records: 0,
                 gaps: 0,
                 approximate: s.approximate,
+                model: String::new(),
             };
             if !s.reset {
                 distrust(&mut st, "joined mid-stream (no reset record seen)".into());
@@ -314,7 +322,33 @@ mod tests {
     use super::*;
 
     fn st(epoch: i64, seq: i64, reset: bool, gap: i64) -> Stamp<'static> {
-        Stamp { inst: "a", dp: 0, tp_rank: 0, tp_size: 1, epoch, seq, ts_us: 0, reset, gap, approximate: false }
+        Stamp {
+            inst: "a",
+            dp: 0,
+            tp_rank: 0,
+            tp_size: 1,
+            epoch,
+            seq,
+            ts_us: 0,
+            reset,
+            gap,
+            approximate: false,
+            model: "",
+        }
+    }
+
+    #[test]
+    fn model_is_the_latest_one_named() {
+        let mut f = Fence::new();
+        let at = |seq, model| Stamp { model, ..st(1, seq, seq == 0, 0) };
+        f.admit(&at(0, ""));
+        assert_eq!(f.all().next().unwrap().3.model, "");
+        f.admit(&at(1, "m1"));
+        // A record that names no model (an older writer) keeps the one known.
+        f.admit(&at(2, ""));
+        assert_eq!(f.all().next().unwrap().3.model, "m1");
+        f.admit(&at(3, "m2"));
+        assert_eq!(f.all().next().unwrap().3.model, "m2");
     }
 
     #[test]
@@ -331,6 +365,7 @@ mod tests {
             reset,
             gap: 0,
             approximate,
+            model: "",
         };
         f.admit(&a(0, 1, 0, true, false));
         f.admit(&a(1, 1, 0, true, true));

@@ -142,6 +142,9 @@ enum Undo {
     Groups(u32, Vec<GroupSpec>, bool),
 }
 
+/// The weight that marks a medium as not counted by a score (`score`'s tier views).
+pub const EXCLUDED: f64 = -1.0;
+
 pub fn normalize_medium(m: Option<&str>) -> std::borrow::Cow<'_, str> {
     match m {
         None => "GPU".into(),
@@ -801,6 +804,10 @@ impl Index {
                 ok[w] = false;
             }
         }
+        // Media a tier view leaves out (weight EXCLUDED): their copies hold nothing here.
+        let excluding = weights.iter().any(|&w| w < 0.0);
+        let wm_ok: Vec<bool> =
+            if excluding { self.wm_medium.iter().map(|&m| weights[m as usize] >= 0.0).collect() } else { vec![] };
         let mut wtouched: Vec<u32> = Vec::with_capacity(64);
         let mut hit_any = false;
         for q in queries {
@@ -831,7 +838,7 @@ impl Index {
                             let wmu = wi * 64 + b.trailing_zeros() as usize;
                             b &= b - 1;
                             let w = self.wm_worker[wmu] as usize;
-                            if run_w[w] != iu || !ok[w] {
+                            if run_w[w] != iu || !ok[w] || (excluding && !wm_ok[wmu]) {
                                 continue;
                             }
                             if run_wm[wmu] == iu {
@@ -854,7 +861,10 @@ impl Index {
                 if !hot {
                     self.s.holders_fast(key, |rm| unsafe {
                         let w = *rm_w.get_unchecked(rm) as usize;
-                        if *run_w.get_unchecked(w) == iu && *ok.get_unchecked(w) {
+                        if *run_w.get_unchecked(w) == iu
+                            && *ok.get_unchecked(w)
+                            && (!excluding || wm_ok[*rm_wm.get_unchecked(rm) as usize])
+                        {
                             let wm = *rm_wm.get_unchecked(rm);
                             let c = cnt.get_unchecked_mut(wm as usize);
                             if *c == 0 {
@@ -1043,7 +1053,9 @@ impl Index {
             let mut alive: Vec<usize> = (0..ws.len()).collect();
             let mut live = vec![0u64; self.wm_worker.len().div_ceil(64)];
             for &wm in &wms {
-                live[wm as usize >> 6] |= 1 << (wm & 63);
+                if weights[self.wm_medium[wm as usize] as usize] >= 0.0 {
+                    live[wm as usize >> 6] |= 1 << (wm & 63);
+                }
             }
             let mut run = vec![0u32; npairs];
             for i in 0..n {
@@ -1188,7 +1200,8 @@ impl Index {
                 }
                 0
             };
-            let mut media: Vec<u32> = wk.wms.iter().map(|&wm| self.wm_medium[wm as usize]).collect();
+            let mut media: Vec<u32> =
+                wk.wms.iter().map(|&wm| self.wm_medium[wm as usize]).filter(|&m| weights[m as usize] >= 0.0).collect();
             media.sort_unstable();
             media.dedup();
             let mut levels: Vec<f64> = media.iter().map(|&m| weights[m as usize]).collect();
@@ -1269,7 +1282,7 @@ impl Index {
         let words = nwm.div_ceil(64);
         let mut alive = vec![0u64; words];
         for wm in 0..nwm {
-            if ok[self.wm_worker[wm] as usize] {
+            if ok[self.wm_worker[wm] as usize] && weights[self.wm_medium[wm] as usize] >= 0.0 {
                 alive[wm >> 6] |= 1 << (wm & 63);
             }
         }
@@ -1415,6 +1428,62 @@ impl Index {
         });
     }
 
+    /// Of `keys`, every (key's index, medium id, group, held) where some rank of worker
+    /// (inst, dp) has the key; `held` when all its TP ranks do (`holder_keys`' rule). Reads
+    /// only: the event streams ask it which of the blocks a slice of records named the worker
+    /// now holds (`consumer/stream_table.py`), instead of keeping a second copy of the holder
+    /// rule, and forget what no rank has any more.
+    pub fn worker_holding(&self, inst: &str, dp: i64, keys: &[u64]) -> Vec<(u32, u32, i64, bool)> {
+        let mut out = vec![];
+        let Some(w) = self.worker_id(inst, dp) else {
+            return out;
+        };
+        // (wm, ranks holding the key): a worker has few wms, and each rm has one slot per key.
+        let mut cnt: Vec<(u32, u32)> = Vec::with_capacity(4);
+        for (i, &k) in keys.iter().enumerate() {
+            cnt.clear();
+            self.s.holders(k, |rm| {
+                if self.rm_w[rm as usize] == w {
+                    let wm = self.hd.rm_wm[rm as usize];
+                    match cnt.iter_mut().find(|(x, _)| *x == wm) {
+                        Some(c) => c.1 += 1,
+                        None => cnt.push((wm, 1)),
+                    }
+                }
+            });
+            for &(wm, n) in &cnt {
+                let held = n >= self.hd.wm_tp[wm as usize].max(1);
+                out.push((i as u32, self.wm_medium[wm as usize], self.wm_group[wm as usize], held));
+            }
+        }
+        out
+    }
+
+    /// Every (key, medium id, group) worker (inst, dp) holds, orphans and engine-hash entries
+    /// left out (no query can match them). O(the worker's entries): for the moments its whole
+    /// state must be read again (a clear, a reset, trust regained, a TP degree changed).
+    pub fn worker_held(&self, inst: &str, dp: i64) -> Vec<(u64, u32, i64)> {
+        let Some(w) = self.worker_id(inst, dp) else {
+            return vec![];
+        };
+        let mut seen: BTreeSet<u64> = BTreeSet::new();
+        for r in &self.workers[w as usize].ranks {
+            for t in &r.tables {
+                for (_, key, meta) in t.entries() {
+                    if meta & (ENGINE | ORPHAN) == 0 {
+                        seen.insert(key);
+                    }
+                }
+            }
+        }
+        let keys: Vec<u64> = seen.into_iter().collect();
+        self.worker_holding(inst, dp, &keys)
+            .into_iter()
+            .filter(|x| x.3)
+            .map(|(i, m, g, _)| (keys[i as usize], m, g))
+            .collect()
+    }
+
     /// Order-independent digest over the holder-blocks (key, wm) whose
     /// `seeds[wm]` is non-zero: (sum mod 2^64 of xxh3(key LE, seed), count).
     /// A key held by several groups of one (worker, medium) counts once: the
@@ -1507,6 +1576,55 @@ mod tests {
 
     fn toks(n: u32) -> Vec<u8> {
         (1000..1000 + n).flat_map(|t: u32| t.to_le_bytes()).collect()
+    }
+
+    /// A tier view counts only its media's copies: device, then device or host, then all.
+    #[test]
+    fn excluded_media_hold_nothing() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        let store = |medium, ehs: &'static [u64], tokens, parent| {
+            Ev::Store(Store {
+                medium: Some(medium),
+                group: 0,
+                ehs,
+                tokens,
+                bs: 16,
+                parent,
+                lora: None,
+                blk_ctx: None,
+                kind: None,
+                window: None,
+            })
+        };
+        // Worker a: blocks 0-1 on GPU, 2 on CPU, 3 on STORAGE. Worker b (TP 2): block 0-3 on CPU,
+        // but only one of its ranks holds block 3.
+        let a = RankId { inst: "a", dp: 0, tp_rank: 0, tp_size: 1 };
+        ix.apply(&a, &[store("GPU", &[1, 2], &t[..128], None)], true).unwrap();
+        ix.apply(&a, &[store("CPU", &[3], &t[128..192], Some(2))], true).unwrap();
+        ix.apply(&a, &[store("STORAGE", &[4], &t[192..], Some(3))], true).unwrap();
+        for tp_rank in 0..2 {
+            let b = RankId { inst: "b", dp: 0, tp_rank, tp_size: 2 };
+            let ehs: &'static [u64] = if tp_rank == 0 { &[11, 12, 13, 14] } else { &[11, 12, 13] };
+            let n = ehs.len() * 64;
+            ix.apply(&b, &[store("CPU", ehs, &t[..n], None)], true).unwrap();
+        }
+        let ctx = Ctx::One(ix.context(None));
+        let q = [Query::Tokens { tokens: &t, bs: 16, ctx }];
+        let view = |counted: &[&str]| {
+            let w: Vec<f64> =
+                ix.media.iter().map(|m| if counted.contains(&m.as_str()) { 1.0 } else { EXCLUDED }).collect();
+            let s = ix.score(&q, &w, None, None);
+            let mut out: Vec<(String, i64)> =
+                s.worker.iter().zip(&s.matched).map(|(&w, &m)| (ix.workers[w as usize].inst.clone(), m)).collect();
+            out.sort();
+            out
+        };
+        let a_b = |x, y| vec![("a".to_string(), x), ("b".to_string(), y)];
+        assert_eq!(view(&["GPU"]), vec![("a".to_string(), 32)]);
+        assert_eq!(view(&["GPU", "CPU"]), a_b(48, 48));
+        assert_eq!(view(&["GPU", "CPU", "STORAGE"]), a_b(64, 48));
+        assert_eq!(view(&["STORAGE"]), vec![]);
     }
 
     #[test]
@@ -1631,5 +1749,52 @@ mod tests {
         assert_eq!(ix.apply(&r, &evs, true), Err(ApplyError::Overflow));
         assert_eq!(before2, (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups, ix.stats()[0].unknown));
         let _ = before;
+    }
+
+    #[test]
+    fn worker_holding_counts_every_tp_rank() {
+        let mut ix = Index::new();
+        let t = toks(32);
+        let ehs = [11u64, 12];
+        let store = |medium| {
+            Ev::Store(Store {
+                medium,
+                group: 0,
+                ehs: &ehs,
+                tokens: &t,
+                bs: 16,
+                parent: None,
+                lora: None,
+                blk_ctx: None,
+                kind: None,
+                window: None,
+            })
+        };
+        let r0 = RankId { inst: "a", dp: 0, tp_rank: 0, tp_size: 2 };
+        let r1 = RankId { inst: "a", dp: 0, tp_rank: 1, tp_size: 2 };
+        assert_eq!(ix.apply(&r0, &[store(None), store(Some("CPU"))], true), Ok(4));
+        let keys: Vec<u64> = ix.worker_held("a", 0).iter().map(|x| x.0).collect();
+        assert!(keys.is_empty(), "one of two ranks holds nothing for the worker");
+        let mut ks = vec![];
+        crate::keys::chain(&t, 16, 2, ROOT, Ctx::One(ix.context(None)), &mut ks);
+        let gpu = ix.media.iter().position(|m| m == "GPU").unwrap() as u32;
+        let cpu = ix.media.iter().position(|m| m == "CPU").unwrap() as u32;
+        let mut part = ix.worker_holding("a", 0, &ks);
+        part.sort();
+        assert_eq!(part, vec![(0, gpu, 0, false), (0, cpu, 0, false), (1, gpu, 0, false), (1, cpu, 0, false)]);
+        assert_eq!(ix.apply(&r1, &[store(None)], true), Ok(2));
+        let held: Vec<_> = ix.worker_holding("a", 0, &ks).into_iter().filter(|x| x.3).collect();
+        assert_eq!(held, vec![(0, gpu, 0, true), (1, gpu, 0, true)]);
+        let mut held = ix.worker_held("a", 0);
+        held.sort();
+        let mut want = vec![(ks[0], gpu, 0), (ks[1], gpu, 0)];
+        want.sort();
+        assert_eq!(held, want);
+        // Either rank dropping a block drops it from the worker.
+        let rm = [12u64];
+        assert_eq!(ix.apply(&r0, &[Ev::Remove { medium: None, group: 0, ehs: &rm }], true), Ok(1));
+        let held: Vec<_> = ix.worker_holding("a", 0, &ks).into_iter().filter(|x| x.3).collect();
+        assert_eq!(held, vec![(0, gpu, 0, true)]);
+        assert!(ix.worker_holding("b", 0, &ks).is_empty());
     }
 }

@@ -334,6 +334,7 @@ fn stamp<'a>(rec: &'a Record) -> Stamp<'a> {
         reset: rec.reset,
         gap: rec.gap,
         approximate: is_approximate(rec.source),
+        model: rec.worker.model,
     }
 }
 
@@ -458,6 +459,7 @@ pub struct RankRow {
     pub records: i64,
     pub gaps: i64,
     pub approximate: bool,
+    pub model: String,
 }
 
 /// `kvwire.consumer.rank_state.RankTable`'s state, in Rust.
@@ -480,6 +482,7 @@ impl PyFence {
         let w = batch.getattr(pyo3::intern!(py, "worker"))?;
         let inst = w.getattr(pyo3::intern!(py, "instance_id"))?.cast_into::<PyString>()?;
         let source = batch.getattr(pyo3::intern!(py, "source"))?.cast_into::<PyString>()?;
+        let model = w.getattr(pyo3::intern!(py, "model"))?.cast_into::<PyString>()?;
         let stamp = Stamp {
             inst: inst.to_str()?,
             dp: w.getattr(pyo3::intern!(py, "dp_rank"))?.extract()?,
@@ -491,6 +494,7 @@ impl PyFence {
             reset: batch.getattr(pyo3::intern!(py, "reset"))?.extract()?,
             gap: batch.getattr(pyo3::intern!(py, "gap"))?.extract()?,
             approximate: is_approximate(source.to_str()?),
+            model: model.to_str()?,
         };
         Ok(self.fence.admit(&stamp))
     }
@@ -550,6 +554,7 @@ impl PyFence {
                 records: s.records,
                 gaps: s.gaps,
                 approximate: s.approximate,
+                model: s.model.clone(),
             })
             .collect()
     }
@@ -581,6 +586,7 @@ impl PyFence {
             records: state.getattr(pyo3::intern!(py, "records"))?.extract()?,
             gaps: state.getattr(pyo3::intern!(py, "gaps"))?.extract()?,
             approximate: state.getattr(pyo3::intern!(py, "approximate"))?.extract()?,
+            model: state.getattr(pyo3::intern!(py, "model"))?.extract()?,
         };
         self.fence.restore(&inst, dp, tp_rank, st, tp_size);
         Ok(())
@@ -609,6 +615,7 @@ pub fn score_trusted<'py>(
         approximate: Some(approx.as_any()),
         top_k,
         as_json,
+        media: None,
     };
     PyIndex::score_with(index, queries, &how)
 }

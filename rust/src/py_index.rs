@@ -103,6 +103,8 @@ pub struct ScoreArgs<'a, 'py> {
     pub approximate: Option<&'a Bound<'py, PyAny>>,
     pub top_k: Option<usize>,
     pub as_json: bool,
+    /// Only these media count (a tier's view, e.g. Dynamo's cumulative tiers); None: all.
+    pub media: Option<&'a Bound<'py, PyAny>>,
 }
 
 #[pyclass(module = "kvwire._core", name = "Index")]
@@ -134,7 +136,17 @@ impl PyIndex {
         self.ix.read().unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub fn weights_for(&self, ix: &Index, over: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<f64>> {
+    /// Per medium id: its weight, or `index::EXCLUDED` for a medium outside `media`.
+    pub fn weights_for(
+        &self,
+        ix: &Index,
+        over: Option<&Bound<'_, PyDict>>,
+        media: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<f64>> {
+        let counted: Option<Vec<String>> = match media {
+            Some(m) => Some(m.try_iter()?.map(|x| x?.extract::<String>()).collect::<PyResult<_>>()?),
+            None => None,
+        };
         let mut out = Vec::with_capacity(ix.media.len());
         for m in &ix.media {
             let mut w = *self.weights.get(m).unwrap_or(&self.default_weight);
@@ -145,6 +157,11 @@ impl PyIndex {
             }
             if w < 0.0 || w.is_nan() {
                 return Err(PyValueError::new_err("medium weights must be >= 0"));
+            }
+            if let Some(c) = &counted {
+                if !c.iter().any(|n| n == m) {
+                    w = crate::index::EXCLUDED;
+                }
             }
             out.push(w);
         }
@@ -313,7 +330,7 @@ impl PyIndex {
         how: &ScoreArgs<'_, 'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let ScoreArgs { weights, workers, exclude, approximate, top_k, as_json } = *how;
+        let ScoreArgs { weights, workers, exclude, approximate, top_k, as_json, media } = *how;
         let mut qs_in = Vec::with_capacity(queries.len());
         for q in queries.iter() {
             qs_in.push(q.cast_into::<ScoreQuery>()?);
@@ -366,7 +383,7 @@ impl PyIndex {
         let (wts, mask, approx, shared) = {
             let this = wait_borrow(slf);
             let ix = this.read();
-            let wts = this.weights_for(&ix, weights)?;
+            let wts = this.weights_for(&ix, weights, media)?;
             let mut mask = match workers {
                 Some(w) => Some(Self::mask(&ix, w, true)?),
                 None => None,
@@ -448,7 +465,29 @@ impl PyIndex {
         top_k: Option<usize>,
         as_json: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let how = ScoreArgs { weights, workers, exclude, approximate: None, top_k, as_json };
+        let how = ScoreArgs { weights, workers, exclude, approximate: None, top_k, as_json, media: None };
+        Self::score_with(slf, queries, &how)
+    }
+
+    /// `score` counting only the blocks that `media` hold (a tier's view: Dynamo's cumulative
+    /// tiers are the prefix held on device, on device or host, ...); returns `ScoreBuffers`.
+    #[pyo3(signature = (queries, media, workers=None, top_k=None))]
+    pub fn score_media<'py>(
+        slf: &Bound<'py, Self>,
+        queries: &Bound<'py, PyList>,
+        media: &Bound<'py, PyAny>,
+        workers: Option<&Bound<'py, PyAny>>,
+        top_k: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let how = ScoreArgs {
+            weights: None,
+            workers,
+            exclude: None,
+            approximate: None,
+            top_k,
+            as_json: false,
+            media: Some(media),
+        };
         Self::score_with(slf, queries, &how)
     }
 
@@ -507,6 +546,49 @@ impl PyIndex {
             ks.push(k);
         });
         (PyBytes::new(py, &wms), u64_bytes(py, ks))
+    }
+
+    /// `Index::worker_holding`: (indexes into `keys` as u32, medium ids as u32, groups as i64,
+    /// held as u8) bytes.
+    #[allow(clippy::type_complexity)]
+    fn worker_holding<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        inst: &str,
+        dp: i64,
+        keys: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let ks = words_u64(RawBuf::get(keys)?.bytes());
+        let this = wait_borrow(slf);
+        let ix = this.read();
+        let rows = ix.worker_holding(inst, dp, &ks);
+        let idx: Vec<u8> = rows.iter().flat_map(|x| x.0.to_le_bytes()).collect();
+        let med: Vec<u8> = rows.iter().flat_map(|x| x.1.to_le_bytes()).collect();
+        let held: Vec<u8> = rows.iter().map(|x| x.3 as u8).collect();
+        Ok((
+            PyBytes::new(py, &idx),
+            PyBytes::new(py, &med),
+            u64_bytes(py, rows.iter().map(|x| x.2 as u64)),
+            PyBytes::new(py, &held),
+        ))
+    }
+
+    /// `Index::worker_held`: (keys as u64, medium ids as u32, groups as i64) bytes.
+    fn worker_held<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        inst: &str,
+        dp: i64,
+    ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
+        let this = wait_borrow(slf);
+        let ix = this.read();
+        let held = ix.worker_held(inst, dp);
+        let med: Vec<u8> = held.iter().flat_map(|x| x.1.to_le_bytes()).collect();
+        (
+            u64_bytes(py, held.iter().map(|x| x.0)),
+            PyBytes::new(py, &med),
+            u64_bytes(py, held.iter().map(|x| x.2 as u64)),
+        )
     }
 
     fn __len__(slf: &Bound<'_, Self>) -> usize {

@@ -228,12 +228,28 @@ fn normalize_medium(medium: Option<&str>) -> String {
     medium_name(medium).into_owned()
 }
 
+/// The routers' sequence hashes (kvwire's keys) of a prompt given as its blocks' content
+/// hashes (u64 bytes, as Dynamo's `/query_by_hash` and `compute_block_hash_for_seq` give them).
+#[pyfunction]
+fn sequence_keys<'py>(py: Python<'py>, content: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    let mut parent = keys::ROOT;
+    let out: Vec<u64> = words_u64(RawBuf::get(content)?.bytes())
+        .into_iter()
+        .map(|c| {
+            parent = keys::chain_step(parent, c);
+            parent
+        })
+        .collect();
+    Ok(u64_bytes(py, out))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ROOT", keys::ROOT)?;
     m.add("ORPHAN_ROOT", keys::ORPHAN_ROOT)?;
     m.add("ENGINE_NS", keys::ENGINE_NS)?;
     m.add_function(wrap_pyfunction!(xxh3_64, m)?)?;
     m.add_function(wrap_pyfunction!(chain_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(sequence_keys, m)?)?;
     m.add_function(wrap_pyfunction!(block_keys, m)?)?;
     m.add_function(wrap_pyfunction!(block_contexts, m)?)?;
     m.add_function(wrap_pyfunction!(context_seed, m)?)?;

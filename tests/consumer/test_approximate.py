@@ -92,11 +92,11 @@ def test_a_snapshot_keeps_the_mark_and_an_older_one_restores_exact():
     load(b, body)
     assert b.ranks.approximate_workers() == {("approx", 0)}
     assert {s.instance_id: s.approximate for s in b.score(TOKENS)} == {"exact": False, "approx": True}
-    # A snapshot written before ranks carried the mark: its rank records lack the last field.
+    # A snapshot written before ranks carried the mark: its rank records end before it.
     old = SnapshotBody(**{f: getattr(body, f) for f in SnapshotBody.__struct_fields__})
     raw = msgspec.msgpack.encode(old)
     legacy = msgspec.msgpack.decode(raw)
-    legacy[4] = [r[: len(RankRecord.__struct_fields__) - 1] for r in legacy[4]]
+    legacy[4] = [r[: RankRecord.__struct_fields__.index("approximate")] for r in legacy[4]]
     c = Applier()
     load(c, msgspec.msgpack.decode(msgspec.msgpack.encode(legacy), type=SnapshotBody))
     assert c.ranks.approximate_workers() == set()
