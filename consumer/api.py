@@ -13,6 +13,7 @@ from typing import Annotated
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
+from .dynamo_api import DynamoQuery, DynamoQueryByHash, DynamoScores, DynamoWorker, RouterEvents
 from .holds import HeldScore
 from .openapi import JSON, Body, Operation
 from .tenants import MAX_KEYS_PER_BLOCK
@@ -64,6 +65,19 @@ class Prompt(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ScoreRequest(Prompt, forbid_unknown_fields=True):
+    token_ids: Annotated[
+        list[TokenId], Meta(description="The prompt's token ids (empty or absent with block_hashes).")
+    ] = msgspec.field(default_factory=list)
+    block_hashes: Annotated[
+        list[int] | None,
+        Meta(
+            description="Instead of token_ids: the prompt's full blocks' v1 content hashes, as Dynamo, "
+            "vllm-router and SMG compute them (dynamo.llm.compute_block_hash_for_seq; with a LoRA, its seed "
+            "is in them), as signed i64 or u64. Not with lora_name, cache_salt or extra_keys (a v1 hash "
+            "carries what it carries), and no speculative holds (they are keyed by tokens). block_size: "
+            "what each hash covers; omitted, every block size the index has."
+        ),
+    ] = None
     local: Annotated[
         bool, Meta(description="Answer from this member's partitions only (what peers send each other).")
     ] = False
@@ -131,6 +145,7 @@ class RouteAnswer(msgspec.Struct):
 
 class RankInfo(msgspec.Struct):
     tp_rank: int
+    model: Annotated[str, Meta(description="The served model its records name; empty when none did.")]
     epoch: int
     last_seq: int
     trusted: bool
@@ -169,6 +184,27 @@ class HealthAnswer(msgspec.Struct):
     failure: Annotated[str, Meta(description="Why the member is unhealthy.")] | UnsetType = UNSET
 
 
+class StreamInfo(msgspec.Struct):
+    instance_id: str
+    dp_rank: Annotated[int, Meta(ge=0)]
+    worker_id: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="The instance's stable id (kvwire.consumer.worker_ids), one per instance with its DP "
+            "ranks under it, as Dynamo keys workers; the same on /query, /workers and /dump.",
+        ),
+    ]
+    endpoint: Annotated[str, Meta(description="ZMQ PUB of vLLM's KV-event wire, on the empty topic.")]
+    replay_endpoint: Annotated[str, Meta(description="ZMQ ROUTER answering vLLM's replay requests, at any age.")]
+    block_size: Annotated[int, Meta(ge=0, description="Of the worker's latest store; 0 before any.")]
+    model: Annotated[str, Meta(description="The served model its records name; empty when none did.")]
+
+
+class StreamsAnswer(msgspec.Struct):
+    streams: list[StreamInfo]
+
+
 class ErrorAnswer(msgspec.Struct):
     error: Annotated[str, Meta(max_length=MAX_ERROR_CHARS + len(TRUNCATED))]
 
@@ -177,6 +213,15 @@ class ErrorAnswer(msgspec.Struct):
 SCORE_QUERY = ("lora_name", "cache_salt", "extra_keys", "block_size", "top_k", "limit", "local")
 
 _ERROR = Body(ErrorAnswer)
+_DYNAMO_ERROR = _ERROR  # Dynamo's error body is kvwire's: {"error": message}
+# Dynamo's statuses for a refused query (axum's: 400 syntax, 422 schema, e.g. a hash outside i64).
+_DYNAMO_REFUSALS = {
+    400: ("Malformed JSON", _DYNAMO_ERROR),
+    404: ("No worker serves model_name", _DYNAMO_ERROR),
+    413: ("Body, token or hash count over the limit", _DYNAMO_ERROR),
+    422: ("A body outside the schema", _DYNAMO_ERROR),
+}
+_DYNAMO = "Dynamo's standalone indexer (ai-dynamo 1.6.1), same path and shapes (kvwire.consumer.dynamo_api). "
 _TOO_LARGE = ("Body or token count over the limit", _ERROR)
 
 ROUTES: tuple[Operation, ...] = (
@@ -224,11 +269,82 @@ ROUTES: tuple[Operation, ...] = (
         },
     ),
     Operation(
+        "POST",
+        "/query",
+        "dynamo_query",
+        "Dynamo: per worker and DP rank, the leading tokens of a prompt held, per tier",
+        description=_DYNAMO + "Tokens are hashed by kvwire's key rule, which is Dynamo's v1 block hash; "
+        "model_name selects the workers whose records name that model, and workers that name none.",
+        request=(Body(DynamoQuery),),
+        responses={
+            200: (
+                "scores: device tier per worker id and DP rank; instances: every tier, cumulative",
+                Body(DynamoScores),
+            ),
+            **_DYNAMO_REFUSALS,
+        },
+    ),
+    Operation(
+        "POST",
+        "/query_by_hash",
+        "dynamo_query_by_hash",
+        "Dynamo: the same as /query, for a prompt given as its blocks' content hashes",
+        description=_DYNAMO + "block_hashes are the v1 content hashes of the prompt's full blocks as signed "
+        "i64 (dynamo.llm.compute_block_hash_for_seq), chained here into the sequence hashes kvwire keys by.",
+        request=(Body(DynamoQueryByHash),),
+        responses={200: ("As /query", Body(DynamoScores)), **_DYNAMO_REFUSALS},
+    ),
+    Operation(
+        "GET",
+        "/workers",
+        "dynamo_workers",
+        "Dynamo: the instances indexed, by worker id",
+        description=_DYNAMO,
+        responses={200: ("Known instances", Body(list[DynamoWorker]))},
+    ),
+    Operation(
+        "GET",
+        "/dump",
+        "dynamo_dump",
+        "Dynamo: the indexed state as RouterEvents, for peers that load it at start",
+        description=_DYNAMO + 'Keyed "<model>:default"; the stored events of every trusted worker\'s held '
+        "blocks, parents first (dynamo.select_service --indexer-peers and dynamo.indexer --peers load it). "
+        "Needs the block table that --event-streams keeps (token ids are not index state).",
+        responses={
+            200: ("One entry per model", Body(dict[str, RouterEvents])),
+            404: ("The member keeps no block table (started without --event-streams)", _DYNAMO_ERROR),
+        },
+    ),
+    Operation(
+        "POST",
+        "/register",
+        "dynamo_register",
+        "Dynamo: register a worker's ZMQ endpoint (not supported: kvwire reads the log)",
+        description=_DYNAMO + "Always 501: kvwire learns workers from the KV-event log.",
+        responses={501: ("Not how kvwire learns workers", _DYNAMO_ERROR)},
+    ),
+    Operation(
         "GET",
         "/v1/workers",
         "workers",
         "Per worker: blocks, epochs, sequence numbers, trust",
         responses={200: ("Known workers", Body(WorkersAnswer))},
+    ),
+    Operation(
+        "GET",
+        "/v1/streams",
+        "streams",
+        "The vLLM-format KV-event streams this member serves, one per worker (instance_id, dp_rank)",
+        description="kvwire index --event-streams: each worker's state as the index holds it (TP ranks "
+        "aggregated, trust applied) on vLLM's ZMQ wire, for routers that subscribe to engines "
+        "(vllm-router --kv-event-source, dynamo.indexer --workers). A worker keeps its entry and ports "
+        "while the member lives: once it is dead (expired) or its partition moved, its stream has sent "
+        "AllBlocksCleared and stays cleared until the worker is trusted again. ZMQ there has no "
+        "authentication or encryption.",
+        responses={
+            200: ("Every stream, in port order", Body(StreamsAnswer)),
+            404: ("The member serves no streams (started without --event-streams)", _ERROR),
+        },
     ),
     Operation(
         "GET",

@@ -58,6 +58,21 @@ class _Record(Protocol):
     timestamp: int
 
 
+class AppliedObserver(Protocol):
+    """Told what the Applier applied, after the index has it (``consumer.event_streams``).
+
+    Called on ingest's loop, once per slice: it must stay as bounded as the slice. It is told
+    every record of the slice, applied or not (a duplicate, a stale epoch, a dead letter): it
+    asks the index what the worker holds now, so a record that changed nothing changes
+    nothing there either."""
+
+    def records_applied(self, values: Sequence[bytes | None]) -> None: ...
+
+    def batch_applied(self, batch: EventBatch) -> None: ...
+
+    def workers_dropped(self, workers: Iterable[tuple[str, int]]) -> None: ...
+
+
 # The index an Applier holds: the core's (``PrefixIndex``) unless a test hands it a model.
 IndexT = TypeVar("IndexT", bound=Index)
 
@@ -109,6 +124,8 @@ class Applier(Generic[IndexT]):
         self.blocks = 0
         # Records the core's fast decoder declined, which the reference decoder took.
         self.declined = 0
+        # The event streams, when ``kvwire index --event-streams`` serves them; None costs nothing.
+        self.observer: AppliedObserver | None = None
 
     # ------------------------------------------------------------ feeding
 
@@ -138,6 +155,8 @@ class Applier(Generic[IndexT]):
             nxt = done.next
             if nxt > i:
                 self.positions[partition] = rl[nxt - 1].offset + 1
+                if self.observer is not None:
+                    self.observer.records_applied([r.value for r in rl[i:nxt]])
             if done.declined:
                 r = rl[nxt]
                 self.declined += 1
@@ -203,6 +222,8 @@ class Applier(Generic[IndexT]):
         self._account(tally)
         if done.seen:
             self.workers_by_partition[partition].update(done.seen)
+        if self.observer is not None:
+            self.observer.batch_applied(batch)
         if done.dead:
             d = done.dead[0]
             if d.kind == _core.DeadKind.OVERFLOW:
@@ -236,10 +257,13 @@ class Applier(Generic[IndexT]):
     def drop_partitions(self, partitions: Iterable[int]) -> None:
         """A partition moved to another member: forget what it held."""
         for p in partitions:
-            for worker in self.workers_by_partition.pop(p, set()):
+            dropped = self.workers_by_partition.pop(p, set())
+            for worker in dropped:
                 self.index.drop_worker(worker)
                 self.ranks.forget_worker(worker)
             self.positions.pop(p, None)
+            if dropped and self.observer is not None:
+                self.observer.workers_dropped(dropped)
 
     def expire(self, now_us: int, timeout_us: int) -> list[tuple[str, int, int]]:
         """Drop ranks silent past the heartbeat timeout (dead workers)."""
@@ -252,6 +276,8 @@ class Applier(Generic[IndexT]):
             self.ranks.forget(rank_key)
         if gone:
             self.metrics.expired.inc(len(gone))
+            if self.observer is not None:
+                self.observer.workers_dropped({(inst, dp) for inst, dp, _ in gone})
         return gone
 
     # ------------------------------------------------------------ queries
@@ -278,6 +304,10 @@ class Applier(Generic[IndexT]):
         ``extra_keys``: one entry per block, as vLLM publishes them (``kvwire.consumer.tenants``)."""
         return self.index.score_trusted_json(self.ranks, token_ids, lora_name, block_size, top_k, extra_keys)
 
+    def score_keys_json(self, keys: Any, block_size: int | None = None, top_k: int | None = None) -> bytes:
+        """``score_json`` of a prompt given as its blocks' keys (``keys.sequence_keys``)."""
+        return self.index.score_trusted_keys_json(self.ranks, keys, block_size, top_k)
+
     def workers(self) -> list[dict[str, Any]]:
         """Per worker: blocks, epochs, last seqs, trust, last seen (for /v1/workers)."""
         stats = self.index.workers()
@@ -303,6 +333,7 @@ class Applier(Generic[IndexT]):
                     "ranks": [
                         {
                             "tp_rank": tp,
+                            "model": st.model,
                             "epoch": st.epoch,
                             "last_seq": st.last_seq,
                             "trusted": st.trusted,

@@ -48,12 +48,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import sys
 import threading
 import time
 from array import array
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -77,11 +78,25 @@ from .api import (
     RouteRequest,
     RouteScore,
     ScoreRequest,
+    StreamInfo,
+    StreamsAnswer,
     WorkerInfo,
     WorkerRef,
     WorkersAnswer,
 )
 from .apply import Applier
+from .dynamo_api import (
+    REGISTER_ANSWER,
+    BlockTable,
+    DynamoQuery,
+    DynamoQueryByHash,
+    UnknownModel,
+    dump,
+    listing,
+    overlaps,
+    query_by_hash_keys,
+    select,
+)
 from .holds import (
     Holds,
     NoCandidate,
@@ -92,12 +107,15 @@ from .holds import (
     trusted_workers,
     with_speculation,
 )
+from .http_security import HttpSecurity
+from .keys import sequence_keys
 from .openapi import document
 from .tenants import TenantError, check_extra_keys, tenant_extra_keys
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 256 * 1024
+MAX_HASHES = DEFAULT_MAX_TOKENS  # a hash stands for at least one token
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
@@ -167,6 +185,19 @@ _extra_decoder = msgspec.json.Decoder(ExtraKeys)
 
 def tenant_keys(req: Prompt) -> list[Any] | None:
     """The request's per-block extra keys with its salt folded in; BadRequest when malformed."""
+    hashes = getattr(req, "block_hashes", None)
+    if hashes is not None:
+        if req.token_ids:
+            raise BadRequest(400, "invalid request: token_ids or block_hashes, not both")
+        if req.lora_name is not None or req.cache_salt or req.extra_keys is not None:
+            raise BadRequest(
+                400, "invalid request: block_hashes carry their LoRA; no lora_name, cache_salt, extra_keys"
+            )
+        if any(not -(2**63) <= h < 2**64 for h in hashes):
+            raise BadRequest(400, "invalid request: a block hash outside i64 and u64")
+        if len(hashes) > MAX_HASHES:
+            raise BadRequest(413, f"{len(hashes)} block hashes; at most {MAX_HASHES}")
+        return None
     try:
         # A block holds at least one token: more entries than tokens is no prompt's keys.
         check_extra_keys(req.extra_keys, max(len(req.token_ids), 1))
@@ -186,8 +217,23 @@ def _error(status: int, message: str) -> web.Response:
     return _answer(ErrorAnswer(message), status)
 
 
+class StreamsListing(Protocol):
+    """What ``/v1/streams`` reads (``consumer.event_streams.EventStreams``)."""
+
+    def listing(self) -> list[dict[str, Any]]: ...
+
+
 def _answer(body: msgspec.Struct, status: int = 200) -> web.Response:
     return web.Response(status=status, body=_json.encode(body), content_type="application/json")
+
+
+JSON_TYPE = "application/json"
+_dynamo_query = msgspec.json.Decoder(DynamoQuery)
+_dynamo_query_by_hash = msgspec.json.Decoder(DynamoQueryByHash)
+
+
+def _answer_list(body: list[Any]) -> web.Response:
+    return web.Response(body=_json.encode(body), content_type=JSON_TYPE)
 
 
 def _route_answer(picked: Route) -> RouteAnswer:
@@ -204,6 +250,27 @@ def _route_answer(picked: Route) -> RouteAnswer:
 
 def _limits(max_tokens: int, max_body_bytes: int) -> str:
     return f"at most {max_tokens} tokens in a body of at most {max_body_bytes} bytes"
+
+
+async def _gathered(peers: list[str], one: Callable[[str], Awaitable[Any]]) -> tuple[list[Any], list[str]]:
+    """Every peer's answer, and the peers that failed (an answer is partial, never failed, for them)."""
+    results = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
+    answers, failed = [], []
+    for peer, res in zip(peers, results, strict=False):
+        if isinstance(res, BaseException):
+            log.warning("peer %s failed: %r", peer, res)
+            failed.append(peer)
+        else:
+            answers.append(res)
+    return answers, failed
+
+
+def v1_keys(block_hashes: list[int]) -> np.ndarray:
+    """The routers' content hashes (signed i64 or u64) -> kvwire's keys."""
+    return sequence_keys(np.array([h & _U64 for h in block_hashes], dtype=np.uint64))
+
+
+_U64 = (1 << 64) - 1
 
 
 def merge_scores(answers: list[list[dict]], limit: int) -> list[dict]:
@@ -230,6 +297,12 @@ def make_app(
     health: Callable[[], str | None] | None = None,
     home: asyncio.AbstractEventLoop | None = None,
     holds: Holds | None = None,
+    topic: str = "",
+    block_table: BlockTable | None = None,
+    rank_endpoint: Callable[[str, int], str | None] | None = None,
+    rank_block_size: Callable[[str, int], int | None] | None = None,
+    streams: StreamsListing | None = None,
+    security: HttpSecurity | None = None,
 ) -> web.Application:
     """``health()`` returns why the member is unhealthy (None while healthy): /healthz then
     answers 503 with the reason even when caught up.
@@ -240,7 +313,19 @@ def make_app(
     ``home``: the loop that feeds ``applier`` (ingest's), when this app is served from
     another (``HttpWorkers`` threads). Scores read only the core, which is consistent from
     any thread; /v1/workers, /v1/digest and /healthz read Python-side state that ingest
-    mutates, so they run on ``home``, between ingest steps."""
+    mutates, so they run on ``home``, between ingest steps.
+
+    Dynamo's indexer API (``kvwire.consumer.dynamo_api``): ``topic`` names where workers come
+    from in ``/workers``; ``block_table`` (the event streams' table) is what ``/dump`` is built
+    from, 404 without it; ``rank_endpoint`` and ``rank_block_size`` say where and in what block
+    size the event streams republish a rank.
+
+    ``streams``: the event streams (``kvwire.consumer.event_streams``) ``/v1/streams`` lists,
+    read on ``home``; without them it answers 404.
+
+    ``security`` (``kvwire.consumer.http_security``): the bearer token every request must carry,
+    and what scatters to peers present (their token, their client certificate); TLS itself is
+    the listening socket's (``serve``, ``HttpWorkers``)."""
 
     async def at_home(fn: Callable[[], Any]) -> Any:
         if home is None or home is asyncio.get_running_loop():
@@ -254,7 +339,8 @@ def make_app(
     peers = [p.rstrip("/") for p in (peers or [])]
     held = holds if holds is not None else Holds()
     applier.metrics.watch_holds(held)
-    app = web.Application(client_max_size=max_body_bytes)
+    guard = [security.middleware()] if security is not None and security.token else []
+    app = web.Application(client_max_size=max_body_bytes, middlewares=guard)
     session: dict[str, aiohttp.ClientSession] = {}
     doc: dict[str, bytes] = {}
 
@@ -321,6 +407,8 @@ def make_app(
 
     async def _score(req: ScoreRequest, extra: list[Any] | None) -> web.Response:
         k = _top_k(req)
+        if req.block_hashes is not None:
+            return await _score_hashes(req, k)
         tokens = _packed(req.token_ids)
         if req.local:
             # A peer's part of a scatter: index state only, the asking member adds its holds.
@@ -335,6 +423,18 @@ def make_app(
         if held.live():
             spec = held.credit(tokens, req.lora_name, extra, _sizes(req.block_size))
             scores = with_speculation(scores, spec, k)
+        return web.Response(
+            body=_json.encode({"scores": scores, "partial": bool(failed), "failed_peers": failed}),
+            content_type="application/json",
+        )
+
+    async def _score_hashes(req: ScoreRequest, k: int) -> web.Response:
+        keys = v1_keys(req.block_hashes or [])
+        local = applier.score_keys_json(keys, req.block_size, k)
+        if req.local or not peers:
+            return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
+        answers, failed = await _scatter(req, k)
+        scores = merge_scores([msgspec.json.decode(local), *answers], k)
         return web.Response(
             body=_json.encode({"scores": scores, "partial": bool(failed), "failed_peers": failed}),
             content_type="application/json",
@@ -376,7 +476,23 @@ def make_app(
 
     async def _scatter(req: ScoreRequest, k: int):
         if "s" not in session:
-            session["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=peer_timeout_s))
+            tls = security.peer_context() if security is not None else None
+            session["s"] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=peer_timeout_s),
+                headers=security.peer_headers() if security is not None else None,
+                connector=aiohttp.TCPConnector(ssl=tls) if tls is not None else None,
+            )
+        if req.block_hashes is not None:
+            # No tokens to send packed: the hashes go as JSON.
+            body = {"block_hashes": req.block_hashes, "block_size": req.block_size, "local": True, "top_k": k}
+
+            async def one_json(peer: str):
+                async with session["s"].post(f"{peer}/v1/score", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}")
+                    return (await r.json())["scores"]
+
+            return await _gathered(peers, one_json)
         # Peers get the binary form: no JSON to build here or to parse there.
         tokens = np.ascontiguousarray(req.token_ids, "<u4").tobytes()
         params = {"local": "true", "top_k": str(k)}
@@ -397,15 +513,63 @@ def make_app(
                     raise RuntimeError(f"HTTP {r.status}")
                 return (await r.json())["scores"]
 
-        results = await asyncio.gather(*(one(p) for p in peers), return_exceptions=True)
-        answers, failed = [], []
-        for peer, res in zip(peers, results, strict=False):
-            if isinstance(res, BaseException):
-                log.warning("peer %s failed: %r", peer, res)
-                failed.append(peer)
-            else:
-                answers.append(res)
-        return answers, failed
+        return await _gathered(peers, one)
+
+    async def dynamo_body(request: web.Request, decoder: msgspec.json.Decoder, size: Callable[[Any], int]) -> Any:
+        """A Dynamo body, or its error answer: 413 over the limits, 400 for bad JSON, 422 outside
+        the schema (Dynamo's own statuses)."""
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, f"body over {max_body_bytes} bytes")
+        try:
+            req = decoder.decode(body)
+        except msgspec.ValidationError as e:
+            return _error(422, f"invalid request: {e}")
+        except msgspec.DecodeError as e:
+            return _error(400, f"invalid JSON: {e}")
+        if size(req) > max_tokens:
+            return _error(413, f"{size(req)} tokens or hashes; at most {max_tokens}")
+        return req
+
+    async def dynamo_query(request: web.Request) -> web.Response:
+        req = await dynamo_body(request, _dynamo_query, lambda r: len(r.token_ids))
+        if isinstance(req, web.Response):
+            return req
+        try:
+            extra = tenant_extra_keys(None, req.cache_salt, req.lora_name)
+            ws = select(applier, req.model_name)
+        except UnknownModel as e:
+            return _error(404, str(e))
+        return _answer(overlaps(applier, ws, _packed(req.token_ids), req.lora_name, extra))
+
+    async def dynamo_query_by_hash(request: web.Request) -> web.Response:
+        req = await dynamo_body(request, _dynamo_query_by_hash, lambda r: len(r.block_hashes))
+        if isinstance(req, web.Response):
+            return req
+        try:
+            ws = select(applier, req.model_name)
+        except UnknownModel as e:
+            return _error(404, str(e))
+        return _answer(overlaps(applier, ws, keys=query_by_hash_keys(req.block_hashes)))
+
+    async def dynamo_workers(request: web.Request) -> web.Response:
+        return _answer_list(listing(applier, topic, rank_endpoint, rank_block_size))
+
+    async def dynamo_dump(request: web.Request) -> web.Response:
+        if block_table is None:
+            return _error(404, "this member keeps no block table: start kvwire index with --event-streams for /dump")
+        table = block_table
+        return web.Response(body=_json.encode(await at_home(lambda: dump(table, applier))), content_type=JSON_TYPE)
+
+    async def dynamo_register(request: web.Request) -> web.Response:
+        return _error(501, REGISTER_ANSWER)
+
+    async def streams_handler(request: web.Request) -> web.Response:
+        if streams is None:
+            return _error(404, "this member serves no event streams: start kvwire index with --event-streams")
+        listed = await at_home(streams.listing)
+        return _answer(StreamsAnswer(msgspec.convert(listed, list[StreamInfo])))
 
     async def workers(request: web.Request) -> web.Response:
         ws = await at_home(applier.workers)
@@ -439,6 +603,12 @@ def make_app(
         "healthz": healthz,
         "metrics": metrics,
         "openapi": openapi,
+        "dynamo_query": dynamo_query,
+        "dynamo_query_by_hash": dynamo_query_by_hash,
+        "dynamo_workers": dynamo_workers,
+        "dynamo_dump": dynamo_dump,
+        "dynamo_register": dynamo_register,
+        "streams": streams_handler,
     }
     # Served only from the table the document is rendered from: no route without its description.
     if set(handlers) != {op.name for op in ROUTES}:
@@ -452,10 +622,12 @@ def make_app(
     return app
 
 
-async def serve(app: web.Application, host: str, port: int, reuse_port: bool = False) -> web.AppRunner:
+async def serve(
+    app: web.Application, host: str, port: int, reuse_port: bool = False, tls: ssl.SSLContext | None = None
+) -> web.AppRunner:
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
+    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None, ssl_context=tls).start()
     return runner
 
 
@@ -486,11 +658,17 @@ class HttpWorkers:
     reads Python-side ingest state runs on ingest's loop."""
 
     def __init__(
-        self, make: Callable[[], web.Application], host: str, port: int, n: int, on_caller_loop: bool = True
+        self,
+        make: Callable[[], web.Application],
+        host: str,
+        port: int,
+        n: int,
+        on_caller_loop: bool = True,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if n < 1:
             raise ValueError("at least one HTTP worker")
-        self.make, self.host, self.port, self.n = make, host, port, n
+        self.make, self.host, self.port, self.n, self.tls = make, host, port, n, tls
         self.on_caller_loop = on_caller_loop
         self._runner: web.AppRunner | None = None
         self._threads: list[tuple[threading.Thread, asyncio.AbstractEventLoop]] = []
@@ -499,7 +677,7 @@ class HttpWorkers:
         """Listen; returns the port (resolved when ``port`` was 0)."""
         reuse = self.n > 1
         if self.on_caller_loop:
-            self._runner = await serve(self.make(), self.host, self.port, reuse_port=reuse)
+            self._runner = await serve(self.make(), self.host, self.port, reuse_port=reuse, tls=self.tls)
             self.port = bound_port(self._runner)
         for i in range(0 if not self.on_caller_loop else 1, self.n):
             started: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -514,10 +692,11 @@ class HttpWorkers:
         asyncio.set_event_loop(loop)
         caller = started.get_loop()
         try:
-            runner = loop.run_until_complete(serve(self.make(), self.host, self.port, reuse_port=reuse))
+            runner = loop.run_until_complete(serve(self.make(), self.host, self.port, reuse_port=reuse, tls=self.tls))
             port = bound_port(runner)
         except BaseException as e:  # handed to the caller, which raises it
             caller.call_soon_threadsafe(started.set_exception, e)
+            loop.close()  # here, not when the collector finds it after the process closed its fds
             return
         caller.call_soon_threadsafe(started.set_result, port)
         try:

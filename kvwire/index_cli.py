@@ -10,11 +10,15 @@ import asyncio
 import logging
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import typer
 
 from kvwire.cli_failure import Unreachable, kafka_client_options, one_line, reaching_kafka
 from kvwire.cli_options import DEFAULT_TOPIC, Bootstrap, KafkaConfig, Topic
+
+if TYPE_CHECKING:
+    from kvwire.consumer.http_security import HttpSecurity
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,10 @@ class IndexOptions:
     lmcache_topic: str | None
     lmcache_model: str | None
     hold_ttl_s: float
+    # (host, first port) of the vLLM-format event streams; None: not served.
+    event_streams: tuple[str, int] | None = None
+    # TLS, client certificates and the bearer token of the HTTP API; None: open, plain HTTP.
+    security: HttpSecurity | None = None
 
 
 def index(
@@ -100,6 +108,27 @@ def index(
         help="Seconds a /v1/route speculative hold counts unless the worker's BlockStored confirms it first; "
         "0 disables holds",
     ),
+    event_streams: str | None = typer.Option(
+        None,
+        "--event-streams",
+        help="[HOST:]PORT: serve each worker's state as vLLM's ZMQ KV-event wire (a PUB and a replay ROUTER "
+        "per worker, ports from PORT upward, listed at GET /v1/streams) for vllm-router, Dynamo and llm-d. "
+        "HOST defaults to 127.0.0.1; ZMQ has no authentication or encryption here, so bind it where only "
+        "routers reach. Implies --no-snapshots: the streams describe blocks from the records they read.",
+    ),
+    tls_cert: str | None = typer.Option(
+        None, "--tls-cert", help="Serve HTTPS with this PEM certificate chain (the key too, or --tls-key)"
+    ),
+    tls_key: str | None = typer.Option(None, "--tls-key", help="PEM private key of --tls-cert"),
+    tls_client_ca: str | None = typer.Option(
+        None, "--tls-client-ca", help="Require client certificates signed by this CA (PEM); peers get ours"
+    ),
+    http_token_file: str | None = typer.Option(
+        None,
+        "--http-token-file",
+        envvar="KVWIRE_HTTP_TOKEN_FILE",
+        help="Every request must carry 'Authorization: Bearer <the file's text>' (401 otherwise); peers send it",
+    ),
     log_level: str = typer.Option("INFO", "--log-level"),
 ) -> None:
     """Build a prefix-cache index from the topic and serve it over HTTP."""
@@ -107,6 +136,18 @@ def index(
     host, _, port = http.rpartition(":")
     if not port.isdigit():
         raise typer.BadParameter(f"HOST:PORT, not {http!r}", param_hint="--http")
+    streams_at = None
+    if event_streams is not None:
+        s_host, _, s_port = event_streams.rpartition(":")
+        if not s_port.isdigit() or not 0 < int(s_port) < 65535:
+            raise typer.BadParameter(f"[HOST:]PORT, not {event_streams!r}", param_hint="--event-streams")
+        streams_at = (s_host or "127.0.0.1", int(s_port))
+    from kvwire.consumer.http_security import HttpSecurity, SecurityConfigError
+
+    try:
+        security = HttpSecurity.from_files(tls_cert, tls_key, tls_client_ca, http_token_file)
+    except SecurityConfigError as e:
+        raise typer.BadParameter(str(e), param_hint="--tls-*/--http-token-file") from None
     opts = IndexOptions(
         bootstrap_servers=bootstrap_servers,
         topic=topic,
@@ -127,6 +168,8 @@ def index(
         lmcache_topic=lmcache_topic,
         lmcache_model=lmcache_model,
         hold_ttl_s=hold_ttl_s,
+        event_streams=streams_at,
+        security=security,
     )
     with one_line("index"):
         code = asyncio.run(_run(opts))
@@ -150,7 +193,9 @@ async def _run(o: IndexOptions) -> int:
         snapshot_failure_limit=o.snapshot_failures,
     )
     store = None
-    if o.snapshots:
+    # A snapshot restores blocks without the records that describe them (token ids are not index
+    # state): a member serving streams reads its partitions from the log instead.
+    if o.snapshots and o.event_streams is None:
         from kvwire.consumer.snapshot import snapshot_store
 
         store = snapshot_store(
@@ -162,6 +207,13 @@ async def _run(o: IndexOptions) -> int:
             every_records=o.snapshot_records,
         )
     member = IndexMember(cfg, snapshots=store)
+    streams = None
+    if o.event_streams is not None:
+        from kvwire.consumer.event_streams import EventStreams
+
+        streams = EventStreams(member.applier, *o.event_streams)
+        # Before ingest starts: a record applied unseen leaves its blocks undescribed.
+        streams.attach()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -178,11 +230,18 @@ async def _run(o: IndexOptions) -> int:
             health=lambda: member.failure,
             home=loop,
             holds=holds,
+            streams=streams,
+            security=o.security,
+            topic=o.topic,
+            block_table=streams.table if streams is not None else None,
+            rank_endpoint=streams.endpoint if streams is not None else None,
+            rank_block_size=(lambda inst, dp: streams.table.block_size((inst, dp))) if streams is not None else None,
         ),
         o.host,
         o.port,
         o.http_workers,
         on_caller_loop=False,
+        tls=o.security.server_context() if o.security is not None else None,
     )
     # The port first: a member that could not serve must not join the group (and move
     # partitions around) at all. Until it is ready the API answers "not ready".
@@ -193,10 +252,14 @@ async def _run(o: IndexOptions) -> int:
         raise Unreachable("HTTP", f"{o.host}:{o.port}", e.strerror or str(e), verb="listen for") from None
     feed = None
     try:
+        if streams is not None:
+            await streams.start()
         with reaching_kafka(o.bootstrap_servers):
             await member.start()
     except BaseException:
         await runner.cleanup()
+        if streams is not None:
+            await streams.stop()
         raise
     stopped = asyncio.ensure_future(stop.wait())
     failed = asyncio.ensure_future(member.wait_failed())
@@ -207,8 +270,9 @@ async def _run(o: IndexOptions) -> int:
             with reaching_kafka(o.bootstrap_servers):
                 feed = await feed_member(member, o.lmcache_topic, o.lmcache_model)
         typer.echo(
-            f"kvwire index: group {member.group_id}, http://{o.host}:{port}"
-            + (f" ({o.http_workers} HTTP workers)" if o.http_workers > 1 else ""),
+            f"kvwire index: group {member.group_id}, {o.security.scheme if o.security else 'http'}://{o.host}:{port}"
+            + (f" ({o.http_workers} HTTP workers)" if o.http_workers > 1 else "")
+            + (f", event streams from tcp://{o.event_streams[0]}:{o.event_streams[1]}" if o.event_streams else ""),
             err=True,
         )
         await asyncio.wait([stopped, failed], return_when=asyncio.FIRST_COMPLETED)
@@ -219,6 +283,8 @@ async def _run(o: IndexOptions) -> int:
         if feed is not None:
             await feed.stop()
         await member.stop()
+        if streams is not None:
+            await streams.stop()
     if failed.done() and not failed.cancelled():
         typer.echo(f"kvwire index: unhealthy, exiting: {failed.result()}", err=True)
         return 1

@@ -1,6 +1,7 @@
 """The apply path: a record is applied whole or not at all."""
 
 from kvwire.consumer.apply import Applier
+from kvwire.consumer.keys import prompt_keys
 from kvwire.schemas import codec
 from kvwire.schemas.events import EventBatch, WorkerId, stored
 
@@ -101,4 +102,7 @@ def test_the_core_and_the_oracle_behind_one_applier_agree():
     for q in (list(range(48)), list(range(16)), list(range(32))):
         assert core.score(q) == model.score(q)
         assert core.score_json(q) == model.score_json(q)
+        # A prompt given as its keys (the routers' v1 hashes chained) answers as its tokens do.
+        keys = prompt_keys(q, 16)
+        assert core.score_keys_json(keys) == model.score_keys_json(keys) == core.score_json(q)
     assert core.workers() == model.workers()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -92,3 +93,50 @@ def test_merge_keeps_the_better_answer_per_worker():
     ]
     assert [(s["instance_id"], s["matched_tokens"]) for s in merge_scores([a, b], 10)] == [("y", 48), ("x", 32)]
     assert json.dumps(merge_scores([a, b], 1))
+
+
+async def test_block_hashes_form_answers_as_the_tokens_do():
+    """The routers' v1 content hashes (Dynamo's own function computes them here) score as the tokens."""
+    import dynamo.llm as dynamo_llm
+
+    a = Applier()
+    prompt = list(range(100, 100 + 5 * 16))
+    a.apply_batch(EventBatch(WorkerId("w1"), 1, 0, 1, (stored([1, 2, 3], prompt[:48], 16),), reset=True))
+    a.apply_batch(EventBatch(WorkerId("w2"), 1, 0, 1, (stored([4, 5], prompt[:32], 16, lora_name="ad"),), reset=True))
+    hashes = dynamo_llm.compute_block_hash_for_seq(prompt, 16)
+    signed = [h - (1 << 64) if h >= 1 << 63 else h for h in hashes]
+    async with TestClient(TestServer(make_app(a, lambda: True))) as c:
+        by_tokens = await (await c.post("/v1/score", json={"token_ids": prompt})).json()
+        for form in (hashes, signed):
+            r = await c.post("/v1/score", json={"block_hashes": form, "block_size": 16})
+            assert r.status == 200 and await r.json() == by_tokens
+        assert [s["instance_id"] for s in by_tokens["scores"]] == ["w1"]
+        lora = dynamo_llm.compute_block_hash_for_seq(prompt, 16, lora_name="ad")
+        got = await (await c.post("/v1/score", json={"block_hashes": lora})).json()
+        assert [(s["instance_id"], s["matched_tokens"]) for s in got["scores"]] == [("w2", 32)]
+        for bad in (
+            {"block_hashes": hashes, "token_ids": prompt},
+            {"block_hashes": hashes, "lora_name": "ad"},
+            {"block_hashes": hashes, "cache_salt": "s"},
+            {"block_hashes": [1 << 64]},
+            {"block_hashes": [-(1 << 63) - 1]},
+        ):
+            assert (await c.post("/v1/score", json=bad)).status == 400, bad
+
+
+async def test_block_hashes_scatter_to_peers_and_merge():
+    """A member asks its peer (holding other workers) with the hashes and merges both answers."""
+    from kvwire.consumer.keys import context_seed, xxh3_64
+
+    prompt = list(range(300, 300 + 3 * 16))
+    near, far = Applier(), Applier()
+    near.apply_batch(EventBatch(WorkerId("near"), 1, 0, 1, (stored([1, 2], prompt[:32], 16),), reset=True))
+    far.apply_batch(EventBatch(WorkerId("far"), 1, 0, 1, (stored([1, 2, 3], prompt, 16),), reset=True))
+    words = np.asarray(prompt, "<u4")
+    hashes = [xxh3_64(words[i * 16 : (i + 1) * 16].tobytes(), context_seed(None)) for i in range(3)]
+    async with TestClient(TestServer(make_app(far, lambda: True))) as peer:
+        front = make_app(near, lambda: True, peers=[str(peer.make_url(""))])
+        async with TestClient(TestServer(front)) as c:
+            body = await (await c.post("/v1/score", json={"block_hashes": hashes})).json()
+    assert body["partial"] is False
+    assert [(s["instance_id"], s["matched_tokens"]) for s in body["scores"]] == [("far", 48), ("near", 32)]

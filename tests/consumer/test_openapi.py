@@ -142,8 +142,9 @@ def test_every_answer_matches_the_document(api_schema, mode: str) -> None:
     ops = _operations(api_schema)
     assert {op.path for op in ops} == set(api_schema.raw_schema["paths"])
     for op in ops:
-        if mode == "negative" and op.method.upper() == "GET":
-            continue  # no parameters, nothing to make invalid
+        raw = api_schema.raw_schema["paths"][op.path][op.method.lower()]
+        if mode == "negative" and not (raw.get("requestBody") or raw.get("parameters")):
+            continue  # no body or parameters, nothing to make invalid
         strategy = op.as_strategy(generation_mode=schemathesis.GenerationMode(mode))
 
         @settings(
@@ -158,7 +159,12 @@ def test_every_answer_matches_the_document(api_schema, mode: str) -> None:
             # Every default check (no 5xx, documented status and content type, body matching its
             # schema, invalid input refused with a 4xx) but one: JSON Schema counts 282.0 as an
             # integer, the API (msgspec, strict) refuses it with a 400 saying so, and keeps doing so.
-            case.call_and_validate(excluded_checks=[checks.positive_data_acceptance])
+            # Dynamo's POST /register is answered 501 by design (kvwire reads workers from the
+            # log), documented as such: the documented-status check still holds it to that.
+            excluded = [checks.positive_data_acceptance]
+            if case.operation.path == "/register":
+                excluded.append(checks.not_a_server_error)
+            case.call_and_validate(excluded_checks=excluded)
 
         check()
 
@@ -185,7 +191,12 @@ def _inline(schema, defs: dict):
 
 
 def test_each_documented_request_is_the_struct_its_handler_decodes(doc: dict) -> None:
-    decoders = {("post", "/v1/score"): http._decoder, ("post", "/v1/route"): http._route_decoder}
+    decoders = {
+        ("post", "/v1/score"): http._decoder,
+        ("post", "/v1/route"): http._route_decoder,
+        ("post", "/query"): http._dynamo_query,
+        ("post", "/query_by_hash"): http._dynamo_query_by_hash,
+    }
     documented = {
         (m, p): op["requestBody"]["content"]["application/json"]["schema"]
         for p, ops in doc["paths"].items()
