@@ -322,3 +322,54 @@ def _up(url: str) -> bool:
         return True
     except OSError:
         return False
+
+
+async def test_dynamo_indexer_peers_loads_kvwires_dump_with_both_tiers(tmp_path: Path):
+    """``python -m dynamo.indexer --peers <kvwire>`` starts from kvwire's ``/dump`` and answers
+    ``/query`` exactly as kvwire does, the host tier included."""
+    import asyncio
+
+    require("dynamo.llm")
+    from kvwire.consumer.apply import Applier
+    from kvwire.consumer.http import bound_port, make_app, serve
+    from kvwire.consumer.stream_table import StreamTable
+    from kvwire.schemas.events import EventBatch, WorkerId, stored
+
+    applier = Applier()
+    table = StreamTable(applier.index)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(30_000) for _ in range(6 * BS)] for _ in range(4)]
+    for n, (inst, blocks, medium) in enumerate(
+        (("31", 6, "GPU"), ("32", 2, "GPU"), ("32", 5, "CPU"), ("33", 3, "GPU"))
+    ):
+        seq = 0 if medium == "GPU" else 1
+        events = tuple(
+            stored([n * 1000 + p * 10 + i for i in range(blocks)], prompts[p][: blocks * BS], BS, medium=medium)
+            for p in range(len(prompts))
+            if (p + n) % 3
+        )
+        batch = EventBatch(WorkerId(inst, 0, 0, 1, MODEL), 1, seq, seq, events, reset=seq == 0)
+        applier.apply_batch(batch)
+        table.observe(batch)
+    table.refresh()
+    runner = await serve(make_app(applier, lambda: True, block_table=table), "127.0.0.1", 0)
+    kv_url = f"http://127.0.0.1:{bound_port(runner)}"
+    port = free_port()
+    dyn = Process.python_module(
+        "dynamo.indexer", ["--port", str(port), "--threads", "1", "--peers", kv_url], tmp_path / "dyn.log"
+    )
+    try:
+        dyn_url = f"http://127.0.0.1:{port}"
+        await asyncio.to_thread(wait_for, lambda: _up(dyn_url + "/workers"), f"dynamo.indexer ({dyn.tail()})", 120)
+        assert "recovery from peer succeeded" in dyn.log.read_text(errors="replace")
+        host_hits = 0
+        for p in prompts:
+            body = {"token_ids": p, "model_name": MODEL}
+            ours = await asyncio.to_thread(http_json, "POST", kv_url + "/query", body)
+            theirs = await asyncio.to_thread(http_json, "POST", dyn_url + "/query", body)
+            assert ours == theirs and ours[0] == 200
+            host_hits += any(o["cpu"] > o["gpu"] for o in ours[1]["instances"].values())
+        assert host_hits >= 1
+    finally:
+        dyn.stop()
+        await runner.cleanup()
