@@ -38,8 +38,13 @@ CHURN = ["+a", "+b", "+c", "-b", "+d", "-a", "+e"]
 
 
 def _owned(m: IndexMember) -> set[int]:
+    """What the member's consumer owns. Mid-rebalance aiokafka still lists the previous assignment
+    although it has revoked it (eager protocol: every partition is revoked before rejoining) until
+    the new one is installed; a member in that state owns nothing."""
     c = m.membership.consumer
-    return {tp.partition for tp in c.assignment()} if c is not None else set()
+    if c is None or c._subscription.reassignment_in_progress:
+        return set()
+    return {tp.partition for tp in c.assignment()}
 
 
 async def _lag(bootstrap, topic, members) -> int:
