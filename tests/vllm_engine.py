@@ -12,40 +12,56 @@ from __future__ import annotations
 import random
 import time
 
+from ci_env import require
+
 BS = 16
+
+
+def cache_manager(num_blocks: int):
+    """vLLM's own KVCacheManager on CPU: one full-attention group of BS-token blocks, KV events on."""
+    torch = require("torch")
+    require("vllm.distributed.kv_events")
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import init_none_hash
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    init_none_hash(sha256)
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    cfg = KVCacheConfig(
+        num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
+    )
+    return KVCacheManager(
+        cfg, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS, enable_kv_cache_events=True
+    )
+
+
+def request(rid: str, tokens, lora=None, salt=None):
+    """A vLLM request hashed as the engine hashes it; ``lora``: a ``LoRARequest``."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    return Request(
+        rid,
+        list(tokens),
+        SamplingParams(max_tokens=1),
+        None,
+        block_hasher=get_request_block_hasher(BS, sha256),
+        lora_request=lora,
+        cache_salt=salt,
+    )
 
 
 class Engine:
     """vLLM's KVCacheManager + ZmqEventPublisher, stepped by hand."""
 
     def __init__(self, h, port: int, rport: int, num_blocks: int = 96, buffer_steps: int = 10_000, topic: str = "kv"):
-        torch = h.require("torch")
         ke = h.require("vllm.distributed.kv_events")
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.request import Request
-
-        init_none_hash(sha256)
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
-        cfg = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
-        )
-        self.mgr = KVCacheManager(
-            cfg, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS, enable_kv_cache_events=True
-        )
+        self.mgr = cache_manager(num_blocks)
         self._ke = ke
-        self._req = lambda rid, toks, lora=None, salt=None: Request(
-            rid,
-            list(toks),
-            SamplingParams(max_tokens=1),
-            None,
-            block_hasher=get_request_block_hasher(BS, sha256),
-            lora_request=lora,
-            cache_salt=salt,
-        )
+        self._req = request
         self.pub = ke.ZmqEventPublisher(
             0,
             endpoint=f"tcp://*:{port}",

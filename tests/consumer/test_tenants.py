@@ -30,6 +30,7 @@ from ci_env import unavailable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Oracle
+from vllm_engine import BS, cache_manager, request
 
 from kvwire.consumer.apply import Applier
 from kvwire.consumer.http import make_app
@@ -40,7 +41,6 @@ from kvwire.producer.vllm_wire import decode_batch
 from kvwire.schemas import codec
 from kvwire.schemas.events import EventBatch, WorkerId, stored
 
-BS = 16
 # (cache_salt, LoRA adapter name) per tenant; None: none.
 TENANTS: list[tuple[str | None, str | None]] = [
     (None, None),
@@ -70,42 +70,19 @@ class Engine:
     """One vLLM KVCacheManager whose events an Applier indexes as worker ``name``."""
 
     def __init__(self, name: str, applier: Applier, num_blocks: int = 256):
-        torch = _require("torch")
         self._ke = _require("vllm.distributed.kv_events")
         from vllm.lora.request import LoRARequest
-        from vllm.sampling_params import SamplingParams
-        from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_manager import KVCacheManager
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-        from vllm.v1.request import Request
 
-        init_none_hash(sha256)
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8, dtype=torch.float16)
-        cfg = KVCacheConfig(
-            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)]
-        )
-        self.mgr = KVCacheManager(
-            cfg, max_model_len=8192, scheduler_block_size=BS, hash_block_size=BS, enable_kv_cache_events=True
-        )
+        self.mgr = cache_manager(num_blocks)
         self._lora_ids: dict[str, int] = {}
 
-        def request(rid: str, toks: list[int], salt: str | None, lora: str | None) -> Any:
-            lr = None
-            if lora is not None:
-                lid = self._lora_ids.setdefault(lora, len(self._lora_ids) + 1)
-                lr = LoRARequest(lora, lid, f"/adapters/{lora}")
-            return Request(
-                rid,
-                list(toks),
-                SamplingParams(max_tokens=1),
-                None,
-                lora_request=lr,
-                cache_salt=salt,
-                block_hasher=get_request_block_hasher(BS, sha256),
-            )
+        def lora_request(lora: str | None) -> Any:
+            if lora is None:
+                return None
+            lid = self._lora_ids.setdefault(lora, len(self._lora_ids) + 1)
+            return LoRARequest(lora, lid, f"/adapters/{lora}")
 
-        self._request = request
+        self._request = lambda rid, toks, salt, lora: request(rid, toks, lora_request(lora), salt)
         self.name, self.applier = name, applier
         self._n = self._seq = self._offset = 0
 
