@@ -133,6 +133,39 @@ def plot_memory(d: Path, r: dict):
     return _save(fig, d, "index_memory")
 
 
+def plot_soak(d: Path, r: dict):
+    """RssAnon and the index's own bytes over a soak run (bench/soak.py), holder-blocks beside."""
+    plt = _plt()
+    ser = r["series"]
+    t = [s["t_s"] for s in ser]
+    mib = lambda k: [s[k] / 2**20 for s in ser]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(t, mib("rss_anon_bytes"), "-", label="process RssAnon")
+    ax.plot(t, mib("index_nbytes"), "-", label="index nbytes() (its own count)")
+    if r.get("warmup_end_s") is not None:
+        ax.axvline(r["warmup_end_s"], color="grey", lw=0.8, ls="--", label="end of warm-up")
+    if t:
+        ax.axvspan(0.9 * t[-1], t[-1], color="grey", alpha=0.15, label="last 10%")
+    ax.set_ylim(0, None)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("MiB")
+    ax2 = ax.twinx()
+    ax2.plot(t, [s["holder_blocks"] for s in ser], "k:", lw=0.8, label="holder-blocks")
+    ax2.set_ylim(0, None)
+    ax2.set_ylabel("holder-blocks")
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="lower right", fontsize=8)
+    p = r["params"]
+    g = r.get("soak_rss_growth_pct")
+    ax.set_title(
+        f"Soak: {p['workers']} workers, {p['holder_blocks']:,} holder-blocks, {r['achieved_stored_blocks_per_s']:,} "
+        f"stored blocks/s; RssAnon growth after warm-up {'n/a' if g is None else f'{g:.2f}%'}",
+        fontsize=9,
+    )
+    return _save(fig, d, "soak")
+
+
 PLOTS = {
     "lag": plot_lag,
     "score_latency": plot_score,
@@ -140,6 +173,7 @@ PLOTS = {
     "publish_cost": plot_publish,
     "codec": plot_codec,
     "index_memory": plot_memory,
+    "soak": plot_soak,
 }
 
 

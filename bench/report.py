@@ -43,6 +43,7 @@ TARGETS: dict[str, tuple[float, str, str]] = {
     "peers_score_p99_ratio_vs_dynamo_radix": (1.0, "max", "score p99, kvwire / Dynamo RadixTree, same run (peers)"),
     "peers_score_p50_ratio_vs_dynamo_radix": (1.0, "max", "score p50, kvwire / Dynamo RadixTree, same run (peers)"),
     "peers_apply_ratio_vs_dynamo_radix": (1.0, "min", "apply blocks/s, kvwire / Dynamo RadixTree, same run (peers)"),
+    "soak_rss_growth_pct": (5, "max", "RSS growth after warm-up, 30 min of churn at 100k blocks/s (soak)"),
 }
 
 
@@ -150,6 +151,31 @@ def _peers(res: Results) -> tuple[str, list[tuple[str, str, str, str]]]:
     return head, rows
 
 
+def _soak_row(res: Results) -> tuple[str, str, str]:
+    """The soak run (bench/soak.py): memory growth under steady churn, beside Dynamo's reported leak."""
+    so = res.get("soak") or {}
+    p = so.get("params") or {}
+    theirs = (
+        "Dynamo ConcurrentRadixTreeCompressed: memory grows without bound under prefix churn, internal nodes "
+        "never reclaimed (dynamo#10774, their report; not measured here)"
+    )
+    if not so:
+        return (
+            "Soak: RssAnon growth after warm-up under steady churn",
+            "not measured yet (`python -m bench.soak`)",
+            theirs,
+        )
+    dur = so.get("duration_s")
+    span = "n/a" if dur is None else f"{dur / 60:.0f} min" if dur >= 120 else f"{dur:.0f} s"
+    return (
+        f"Soak: RssAnon growth after warm-up (index's own bytes), {span} of churn, {fmt(p.get('holder_blocks'))} "
+        f"holder-blocks over {fmt(p.get('workers'))} workers, {fmt(so.get('achieved_stored_blocks_per_s'))} stored "
+        f"blocks/s (offered {fmt(p.get('rate_blocks_per_s'))}), load average {fmt((_get(so, 'load_avg', 'end') or [None])[0])}",
+        f"{fmt(so.get('soak_rss_growth_pct'), '%')} ({fmt(so.get('index_nbytes_growth_pct'), '%')})",
+        theirs,
+    )
+
+
 def results_table(res: Results) -> str:
     """Ours beside Dynamo's trees measured here (bench/peers), and beside the figures others publish."""
     s = res.get("summary", {})
@@ -195,6 +221,7 @@ def results_table(res: Results) -> str:
             fmt(g("bytes_per_holder_block"), " B"),
             f"AIBrix: ~64 B/entry, a claim ({ANCHORS})",
         ),
+        _soak_row(res),
         (
             "Event-to-index lag p99 (publish() to applied)",
             f"{fmt(g('lag_p99_ms'), ' ms')} at {fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))} blocks/s "

@@ -48,11 +48,12 @@ SUMMARY_KEYS = (
     "http_score_p50_us_c1",
     "http_score_rps_c32_json",
     *PEERS_KEYS,
+    "soak_rss_growth_pct",
     "notes",
 )
 
 # Steps that never talk to Kafka: running only these starts no broker.
-BROKERLESS = ("peers",)
+BROKERLESS = ("peers", "soak")
 
 _IM_SMOKE = (
     "from bench.index_memory import run; from bench.common import write_result; "
@@ -84,6 +85,9 @@ def steps(mode: str, bootstrap: str, peers_holder_blocks: int | None = None) -> 
         # crate (minutes of CPU the first time), so neither the smoke run nor CI runs it.
         size = ["--holder-blocks", str(peers_holder_blocks)] if peers_holder_blocks else q
         out.append(("peers", ["-m", "bench.peers", *size], 3600))
+    # 30 minutes of churn at full size (bench/soak.py), 60 s at --quick, a few seconds in the smoke run.
+    soak_size = ["--smoke"] if tiny else q
+    out.append(("soak", ["-m", "bench.soak", *soak_size], 2400 if mode == "full" else 600))
     if not tiny or shutil.which("wrk"):
         # wrk (apt-get install -y wrk) is its load generator; the smoke run skips the step without it.
         hs = ["--holder-blocks", "30000", "--seconds", "1", "--n-queries", "8", "--workers", "1"] if tiny else q
@@ -292,6 +296,23 @@ def summarize(res: dict, errors: dict) -> dict:
         )
     else:
         missing(PEERS_KEYS, "peers")
+    so = res.get("soak")
+    if so:
+        s["soak_rss_growth_pct"] = so.get("soak_rss_growth_pct")
+        sp, la = so["params"], so["load_avg"]
+        if s["soak_rss_growth_pct"] is None:
+            notes["soak_rss_growth_pct"] = f"null: {so.get('growth_note', 'bench/soak.py wrote no growth figure')}"
+        else:
+            notes["soak_rss_growth_pct"] = (
+                f"RssAnon of one process, max over the last 10% of a {so['duration_s']:.0f} s run against the end "
+                f"of warm-up ({so['warmup_end_s']:.0f} s): {sp['workers']} workers' LRU pools of "
+                f"{sp['holder_blocks']:,} holder-blocks churned at {so['achieved_stored_blocks_per_s']:,} stored "
+                f"blocks/s (offered {sp['rate_blocks_per_s']:,.0f}) through Applier.apply_records, "
+                f"{so['achieved_score_qps']} scores/s; index nbytes growth {so['index_nbytes_growth_pct']}%; "
+                f"load average {la['start'][0]:.2f} at start, {la['end'][0]:.2f} at end (bench/results/soak.json)"
+            )
+    else:
+        missing(["soak_rss_growth_pct"], "soak")
     for step, err in errors.items():
         notes.setdefault(f"error_{step}", err)
     s["notes"] = notes
@@ -322,7 +343,7 @@ def main(argv=None) -> int:
 
     RESULTS = Path(os.environ.get("KVWIRE_BENCH_RESULTS") or common.RESULTS)
     bootstrap = a.bootstrap or os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if not bootstrap and a.only and set(a.only) <= set(BROKERLESS):
+    if not bootstrap and a.only is not None and set(a.only) <= set(BROKERLESS):
         bootstrap = "none (no step of this run uses a broker)"
     if not bootstrap:
         from kvwire.kafka.broker import resolve_bootstrap

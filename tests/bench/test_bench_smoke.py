@@ -39,13 +39,13 @@ def test_bench_smoke_writes_every_summary_key(kafka_bootstrap, tmp_path):
         if v is None:
             assert k in notes and notes[k].startswith("null:"), (k, notes)
     # every step's JSON and each curve's plot landed in the results folder
-    steps = ["codec", "publish_cost", "index_memory", "apply_rate", "score_latency", "lag"]
+    steps = ["codec", "publish_cost", "index_memory", "apply_rate", "score_latency", "lag", "soak"]
     if importlib.util.find_spec("bench.replay") is not None:
         steps.append("replay")
     for name in steps:
         assert (tmp_path / f"{name}.json").exists(), name
     assert (tmp_path / "table.md").read_text().count("\n|") >= 8
-    for png in ("lag", "score_latency", "apply_rate", "publish_cost", "codec", "index_memory"):
+    for png in ("lag", "score_latency", "apply_rate", "publish_cost", "codec", "index_memory", "soak"):
         assert (tmp_path / f"{png}.png").stat().st_size > 0, png
 
 
