@@ -1,0 +1,406 @@
+//! The score: every query's blocks walked in order, each worker credited
+//! until the first block it lacks. Workers with several KV-cache groups, or a
+//! sparse one, need more than a leading run and are handed to `grouped`.
+
+use super::{Index, Query, Scores};
+use crate::keys::{block_key_le, ROOT};
+use crate::table::STable;
+
+/// What the general score walk fills per worker and per wm; `walk_one_medium` fills it too.
+struct Runs<'r> {
+    run_w: &'r mut [u32],
+    score_w: &'r mut [f64],
+    run_wm: &'r mut [u32],
+    cnt: &'r mut [u32],
+}
+
+/// How many blocks ahead of the walk a query's keys are computed and their
+/// table slots prefetched: enough to cover a memory miss at the walk's
+/// per-block pace, few enough that a miss query hashes only a handful extra.
+const AHEAD: usize = 8;
+const RING: usize = 16;
+
+/// A query's block keys in walk order, each computed `AHEAD` blocks before the
+/// walk reads it, with its S slots prefetched then.
+struct KeysAhead<'a, 'q> {
+    q: &'a Query<'q>,
+    n: usize,
+    ring: [u64; RING],
+    done: usize,
+    last: u64,
+}
+
+impl<'a, 'q> KeysAhead<'a, 'q> {
+    fn new(q: &'a Query<'q>, n: usize) -> Self {
+        KeysAhead { q, n, ring: [0; RING], done: 0, last: ROOT }
+    }
+
+    /// Key of block `i`; blocks are asked for in order, 0, 1, 2, ...
+    #[inline]
+    fn at(&mut self, i: usize, s: &STable) -> u64 {
+        let until = self.n.min(i + AHEAD + 1);
+        while self.done < until {
+            let b = self.done;
+            let key = match self.q {
+                Query::Tokens { tokens, bs, ctx } => {
+                    block_key_le(&tokens[b * bs * 4..(b + 1) * bs * 4], self.last, ctx.at(b))
+                }
+                Query::Keys { keys, .. } => keys[b],
+            };
+            self.last = key;
+            self.ring[b % RING] = key;
+            s.prefetch(key);
+            self.done += 1;
+        }
+        self.ring[i % RING]
+    }
+}
+
+impl Index {
+    /// Weights per medium id from a (name -> weight) lookup.
+    pub fn weight_array(&self, f: impl Fn(&str) -> f64) -> Vec<f64> {
+        self.media.iter().map(|m| f(m)).collect()
+    }
+
+    /// Longest held prefix per worker over every query (max per field across
+    /// queries, i.e. block sizes), ordered best first, at most `top_k`.
+    /// `mask[w]` false excludes worker w.
+    /// Reads only (`&self`): scores run without the GIL beside each other (py_index.rs `Shared`).
+    pub fn score(&self, queries: &[Query], weights: &[f64], mask: Option<&[bool]>, top_k: Option<usize>) -> Scores {
+        let nw = self.workers.len();
+        let nwm = self.wm_worker.len();
+        let mut out = Scores::default();
+        out.by_off.push(0);
+        if nw == 0 || self.s.count == 0 {
+            return out;
+        }
+        let mut best_run = vec![0i64; nw];
+        let mut best_score = vec![0f64; nw];
+        let mut best_wm = vec![0i64; nwm];
+        let mut run_w = vec![0u32; nw];
+        let mut score_w = vec![0f64; nw];
+        let mut run_wm = vec![0u32; nwm];
+        let mut cnt = vec![0u32; nwm];
+        let mut bestw = vec![-1f64; nw];
+        let mut touched: Vec<u32> = Vec::with_capacity(64);
+        // One flag per worker whatever the mask's length (unchecked reads below rely on it).
+        let mut ok = vec![true; nw];
+        if let Some(m) = mask {
+            for (o, &k) in ok.iter_mut().zip(m) {
+                *o = k;
+            }
+        }
+        // Grouped workers (hybrid models) are scored group by group, after the walk.
+        let mut grouped: Vec<u32> = vec![];
+        for (w, wk) in self.workers.iter().enumerate() {
+            if wk.grouped && ok[w] {
+                grouped.push(w as u32);
+                ok[w] = false;
+            }
+        }
+        // Media a tier view leaves out (weight EXCLUDED): their copies hold nothing here.
+        let excluding = weights.iter().any(|&w| w < 0.0);
+        let wm_ok: Vec<bool> =
+            if excluding { self.wm_medium.iter().map(|&m| weights[m as usize] >= 0.0).collect() } else { vec![] };
+        let mut wtouched: Vec<u32> = Vec::with_capacity(64);
+        let mut hit_any = false;
+        for q in queries {
+            let (n, scale) = match q {
+                Query::Tokens { tokens, bs, .. } => (tokens.len() / 4 / bs, *bs as i64),
+                Query::Keys { keys, scale } => (keys.len(), *scale),
+            };
+            if n == 0 {
+                continue;
+            }
+            let mut reached = 0usize;
+            if self.media.len() == 1 {
+                let out = Runs { run_w: &mut run_w, score_w: &mut score_w, run_wm: &mut run_wm, cnt: &mut cnt };
+                reached = self.walk_one_medium(q, n, &ok, weights, out);
+            }
+            let mut ks = KeysAhead::new(q, n);
+            for i in 0..if self.media.len() == 1 { 0 } else { n } {
+                let key = ks.at(i, &self.s);
+                touched.clear();
+                wtouched.clear();
+                let iu = i as u32;
+                let hs = self.s.multi.get(&key);
+                if let Some(bits) = hs {
+                    // A hot key: its holder set says which wms hold it (TP counted already).
+                    for (wi, &word) in bits.iter().enumerate() {
+                        let mut b = word;
+                        while b != 0 {
+                            let wmu = wi * 64 + b.trailing_zeros() as usize;
+                            b &= b - 1;
+                            let w = self.wm_worker[wmu] as usize;
+                            if run_w[w] != iu || !ok[w] || (excluding && !wm_ok[wmu]) {
+                                continue;
+                            }
+                            if run_wm[wmu] == iu {
+                                run_wm[wmu] = iu + 1;
+                            }
+                            if bestw[w] < 0.0 {
+                                wtouched.push(w as u32);
+                            }
+                            let wt = weights[self.wm_medium[wmu] as usize];
+                            if wt > bestw[w] {
+                                bestw[w] = wt;
+                            }
+                        }
+                    }
+                }
+                let rm_wm = &self.hd.rm_wm;
+                let rm_w = &self.rm_w;
+                let hot = hs.is_some();
+                // SAFETY: rm ids in S index rm_wm / rm_w; wm ids index cnt; worker ids index run_w / ok.
+                if !hot {
+                    self.s.holders_fast(key, |rm| unsafe {
+                        let w = *rm_w.get_unchecked(rm) as usize;
+                        if *run_w.get_unchecked(w) == iu
+                            && *ok.get_unchecked(w)
+                            && (!excluding || wm_ok[*rm_wm.get_unchecked(rm) as usize])
+                        {
+                            let wm = *rm_wm.get_unchecked(rm);
+                            let c = cnt.get_unchecked_mut(wm as usize);
+                            if *c == 0 {
+                                touched.push(wm);
+                            }
+                            *c += 1;
+                        }
+                    });
+                }
+                for &wm in &touched {
+                    let wmu = wm as usize;
+                    if cnt[wmu] >= self.hd.wm_tp[wmu] {
+                        if run_wm[wmu] as usize == i {
+                            run_wm[wmu] = i as u32 + 1;
+                        }
+                        let w = self.wm_worker[wmu] as usize;
+                        if bestw[w] < 0.0 {
+                            wtouched.push(w as u32);
+                        }
+                        let wt = weights[self.wm_medium[wmu] as usize];
+                        if wt > bestw[w] {
+                            bestw[w] = wt;
+                        }
+                    }
+                    cnt[wmu] = 0;
+                }
+                for &w in &wtouched {
+                    let w = w as usize;
+                    run_w[w] = i as u32 + 1;
+                    score_w[w] += bestw[w];
+                    bestw[w] = -1.0;
+                }
+                if wtouched.is_empty() {
+                    break;
+                }
+                reached = i + 1;
+            }
+            if reached == 0 {
+                continue;
+            }
+            hit_any = true;
+            for w in 0..nw {
+                if run_w[w] > 0 {
+                    best_run[w] = best_run[w].max(run_w[w] as i64 * scale);
+                    best_score[w] = best_score[w].max(score_w[w] * scale as f64);
+                    run_w[w] = 0;
+                    score_w[w] = 0.0;
+                }
+            }
+            for wm in 0..nwm {
+                if run_wm[wm] > 0 {
+                    best_wm[wm] = best_wm[wm].max(run_wm[wm] as i64 * scale);
+                    run_wm[wm] = 0;
+                }
+            }
+        }
+        if !grouped.is_empty()
+            && self.score_grouped(queries, weights, &grouped, &mut best_run, &mut best_score, &mut best_wm)
+        {
+            hit_any = true;
+        }
+        if !hit_any {
+            return out;
+        }
+        let mut hits: Vec<u32> = (0..nw as u32).filter(|&w| best_run[w as usize] > 0).collect();
+        let stale;
+        let nr: &[u32] = if self.name_rank.len() == self.workers.len() {
+            &self.name_rank
+        } else {
+            stale = self.name_order();
+            &stale
+        };
+        let cmp = |a: &u32, b: &u32| {
+            let (a, b) = (*a as usize, *b as usize);
+            best_score[b]
+                .partial_cmp(&best_score[a])
+                .unwrap_or(std::cmp::Ordering::Equal)
+                .then(best_run[b].cmp(&best_run[a]))
+                .then(nr[a].cmp(&nr[b]))
+        };
+        if let Some(k) = top_k {
+            if k < hits.len() {
+                if k == 0 {
+                    hits.clear();
+                } else {
+                    hits.select_nth_unstable_by(k - 1, cmp);
+                    hits.truncate(k);
+                }
+            }
+        }
+        hits.sort_unstable_by(cmp);
+        for &w in &hits {
+            let wu = w as usize;
+            out.worker.push(w);
+            out.matched.push(best_run[wu]);
+            out.score.push(best_score[wu]);
+            for &wm in &self.workers[wu].wms {
+                if best_wm[wm as usize] > 0 {
+                    out.by_medium.push(self.wm_medium[wm as usize]);
+                    out.by_tokens.push(best_wm[wm as usize]);
+                }
+            }
+            out.by_off.push(out.by_medium.len() as u32);
+        }
+        out
+    }
+
+    /// The walk when every holder is on one medium (one wm per worker): the
+    /// workers still matching are a bitset, each block intersects it with the
+    /// block's holders (a hot key's holder set, word by word, or the wms its
+    /// slots show holding), and a worker's run is set once, when it drops out.
+    /// Scores are then run x the medium's weight. Fills run_w / score_w /
+    /// run_wm like the general walk; returns the blocks anyone matched.
+    fn walk_one_medium(&self, q: &Query, n: usize, ok: &[bool], weights: &[f64], out: Runs) -> usize {
+        let Runs { run_w, score_w, run_wm, cnt } = out;
+        let nwm = self.wm_worker.len();
+        let words = nwm.div_ceil(64);
+        let mut alive = vec![0u64; words];
+        for wm in 0..nwm {
+            if ok[self.wm_worker[wm] as usize] && weights[self.wm_medium[wm] as usize] >= 0.0 {
+                alive[wm >> 6] |= 1 << (wm & 63);
+            }
+        }
+        let mut held = vec![0u64; words];
+        let mut touched: Vec<u32> = Vec::with_capacity(16);
+        let rm_wm = &self.hd.rm_wm;
+        let mut reached = 0usize;
+        let mut ks = KeysAhead::new(q, n);
+        for i in 0..n {
+            let key = ks.at(i, &self.s);
+            held.iter_mut().for_each(|x| *x = 0);
+            if let Some(bits) = self.s.multi.get(&key) {
+                for (h, &b) in held.iter_mut().zip(bits) {
+                    *h = b;
+                }
+            } else {
+                touched.clear();
+                self.s.holders_fast(key, |rm| {
+                    let wm = rm_wm[rm] as usize;
+                    if alive[wm >> 6] & (1 << (wm & 63)) != 0 {
+                        if cnt[wm] == 0 {
+                            touched.push(wm as u32);
+                        }
+                        cnt[wm] += 1;
+                    }
+                });
+                for &wm in &touched {
+                    let wm = wm as usize;
+                    if cnt[wm] >= self.hd.wm_tp[wm] {
+                        held[wm >> 6] |= 1 << (wm & 63);
+                    }
+                    cnt[wm] = 0;
+                }
+            }
+            let mut any = false;
+            for k in 0..words {
+                let still = alive[k] & held[k];
+                let mut dropped = alive[k] & !still;
+                while dropped != 0 {
+                    run_wm[k * 64 + dropped.trailing_zeros() as usize] = i as u32;
+                    dropped &= dropped - 1;
+                }
+                alive[k] = still;
+                any |= still != 0;
+            }
+            if !any {
+                break;
+            }
+            reached = i + 1;
+        }
+        for (k, &a) in alive.iter().enumerate() {
+            let mut b = a;
+            while b != 0 {
+                run_wm[k * 64 + b.trailing_zeros() as usize] = reached as u32;
+                b &= b - 1;
+            }
+        }
+        for wm in 0..nwm {
+            let r = run_wm[wm];
+            if r > 0 {
+                let w = self.wm_worker[wm] as usize;
+                run_w[w] = run_w[w].max(r);
+                score_w[w] = score_w[w].max(r as f64 * weights[self.wm_medium[wm] as usize]);
+            }
+        }
+        reached
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::index::test_util::toks;
+    use crate::index::{Ev, RankId, Store, EXCLUDED};
+    use crate::keys::Ctx;
+
+    /// A tier view counts only its media's copies: device, then device or host, then all.
+    #[test]
+    fn excluded_media_hold_nothing() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        let store = |medium, ehs: &'static [u64], tokens, parent| {
+            Ev::Store(Store {
+                medium: Some(medium),
+                group: 0,
+                ehs,
+                tokens,
+                bs: 16,
+                parent,
+                lora: None,
+                blk_ctx: None,
+                kind: None,
+                window: None,
+            })
+        };
+        // Worker a: blocks 0-1 on GPU, 2 on CPU, 3 on STORAGE. Worker b (TP 2): block 0-3 on CPU,
+        // but only one of its ranks holds block 3.
+        let a = RankId { inst: "a", dp: 0, tp_rank: 0, tp_size: 1 };
+        ix.apply(&a, &[store("GPU", &[1, 2], &t[..128], None)], true).unwrap();
+        ix.apply(&a, &[store("CPU", &[3], &t[128..192], Some(2))], true).unwrap();
+        ix.apply(&a, &[store("STORAGE", &[4], &t[192..], Some(3))], true).unwrap();
+        for tp_rank in 0..2 {
+            let b = RankId { inst: "b", dp: 0, tp_rank, tp_size: 2 };
+            let ehs: &'static [u64] = if tp_rank == 0 { &[11, 12, 13, 14] } else { &[11, 12, 13] };
+            let n = ehs.len() * 64;
+            ix.apply(&b, &[store("CPU", ehs, &t[..n], None)], true).unwrap();
+        }
+        let ctx = Ctx::One(ix.context(None));
+        let q = [Query::Tokens { tokens: &t, bs: 16, ctx }];
+        let view = |counted: &[&str]| {
+            let w: Vec<f64> =
+                ix.media.iter().map(|m| if counted.contains(&m.as_str()) { 1.0 } else { EXCLUDED }).collect();
+            let s = ix.score(&q, &w, None, None);
+            let mut out: Vec<(String, i64)> =
+                s.worker.iter().zip(&s.matched).map(|(&w, &m)| (ix.workers[w as usize].inst.clone(), m)).collect();
+            out.sort();
+            out
+        };
+        let a_b = |x, y| vec![("a".to_string(), x), ("b".to_string(), y)];
+        assert_eq!(view(&["GPU"]), vec![("a".to_string(), 32)]);
+        assert_eq!(view(&["GPU", "CPU"]), a_b(48, 48));
+        assert_eq!(view(&["GPU", "CPU", "STORAGE"]), a_b(64, 48));
+        assert_eq!(view(&["STORAGE"]), vec![]);
+    }
+}
