@@ -345,7 +345,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::test_util::toks;
+    use crate::index::test_util::{rank, ranked, stored, toks};
     use crate::index::Query;
 
     #[test]
@@ -470,5 +470,140 @@ mod tests {
         assert_eq!(ix.apply(&r, &evs, true), Err(ApplyError::Overflow));
         assert_eq!(before2, (ix.holder_blocks(), ix.entries(), ix.stats()[0].dups, ix.stats()[0].unknown));
         let _ = before;
+    }
+
+    fn remove<'a>(ehs: &'a [u64]) -> Ev<'a> {
+        Ev::Remove { medium: None, group: 0, ehs }
+    }
+
+    /// (entries, orphans, unknown, dups) of worker `inst`.
+    fn counts(ix: &Index, inst: &str) -> (i64, i64, i64, i64) {
+        let st = ix.stats().into_iter().find(|s| s.inst == inst).expect("worker");
+        (st.entries, st.orphans, st.unknown, st.dups)
+    }
+
+    #[test]
+    fn removing_what_was_stored_leaves_nothing_held() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        let a = rank("a", 0, 1);
+        let engine = Ev::Store(Store {
+            medium: Some("CPU"),
+            group: 0,
+            ehs: &[7, 8],
+            tokens: &[],
+            bs: 0,
+            parent: None,
+            lora: None,
+            blk_ctx: None,
+            kind: None,
+            window: None,
+        });
+        assert_eq!(ix.apply(&a, &[stored(None, &[1, 2, 3, 4], &t, None), engine], true), Ok(6));
+        assert_eq!((ix.entries(), ix.holder_blocks(), ix.s.count), (6, 6, 6));
+        assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None), vec![("a".to_string(), 64, 64.0)]);
+        let gone = [remove(&[3, 1, 4, 2]), Ev::Remove { medium: Some("CPU"), group: 0, ehs: &[8, 7] }];
+        assert_eq!(ix.apply(&a, &gone, true), Ok(6));
+        assert_eq!((ix.entries(), ix.holder_blocks(), ix.s.count, ix.s.multi.len()), (0, 0, 0, 0));
+        assert_eq!(counts(&ix, "a"), (0, 0, 0, 0));
+        assert!(ix.stats()[0].blocks.is_empty());
+        assert_eq!(ix.digest(&vec![1; ix.wm_worker.len()]), (0, 0));
+        assert!(ix.worker_held("a", 0).is_empty());
+        assert!(ranked(&mut ix, &t, |_| 1.0, None, None).is_empty());
+    }
+
+    /// vLLM may hold one hash in two physical blocks: the entry stays until both are freed.
+    #[test]
+    fn a_hash_stored_twice_is_a_dup_and_needs_two_removes() {
+        let mut ix = Index::new();
+        let t = toks(32);
+        let a = rank("a", 0, 1);
+        assert_eq!(ix.apply(&a, &[stored(None, &[1, 2], &t, None)], true), Ok(2));
+        assert_eq!(ix.apply(&a, &[stored(None, &[1, 2], &t, None)], true), Ok(2));
+        assert_eq!((ix.entries(), ix.holder_blocks()), (2, 2));
+        assert_eq!(counts(&ix, "a"), (2, 0, 0, 2));
+        assert_eq!(ix.apply(&a, &[remove(&[1, 2])], true), Ok(2));
+        assert_eq!((ix.entries(), ix.holder_blocks()), (2, 2));
+        assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None), vec![("a".to_string(), 32, 32.0)]);
+        assert_eq!(ix.apply(&a, &[remove(&[1, 2])], true), Ok(2));
+        assert_eq!((ix.entries(), ix.holder_blocks()), (0, 0));
+        // Dups count stores, not copies still held: a removal leaves the count as it was.
+        assert_eq!(counts(&ix, "a"), (0, 0, 0, 2));
+        assert!(ranked(&mut ix, &t, |_| 1.0, None, None).is_empty());
+    }
+
+    #[test]
+    fn removes_of_hashes_not_held_are_counted_as_unknown() {
+        let mut ix = Index::new();
+        let t = toks(16);
+        let a = rank("a", 0, 1);
+        assert_eq!(ix.apply(&a, &[remove(&[77, 78])], true), Ok(2));
+        assert_eq!(counts(&ix, "a"), (0, 0, 2, 0));
+        assert_eq!(ix.apply(&a, &[stored(None, &[1], &t, None), remove(&[1, 1])], true), Ok(3));
+        assert_eq!(counts(&ix, "a"), (0, 0, 3, 0));
+        assert_eq!((ix.entries(), ix.holder_blocks()), (0, 0));
+    }
+
+    /// Worker a: blocks 1-4 on GPU, block 1 stored twice; worker b: its own two blocks on CPU.
+    fn two_workers(t: &[u8]) -> Index {
+        let mut ix = Index::new();
+        ix.apply(&rank("a", 0, 1), &[stored(None, &[1, 2, 3, 4], t, None)], true).unwrap();
+        ix.apply(&rank("a", 0, 1), &[stored(None, &[1], &t[..64], None)], true).unwrap();
+        ix.apply(&rank("b", 0, 1), &[stored(Some("CPU"), &[21, 22], &t[..128], None)], true).unwrap();
+        ix
+    }
+
+    /// Everything a refused record could have changed and a reader can see.
+    fn seen(ix: &mut Index, t: &[u8]) -> impl PartialEq + std::fmt::Debug {
+        let seeds: Vec<u64> = (1..=ix.wm_worker.len() as u64).collect();
+        let stats: Vec<_> = ix
+            .stats()
+            .into_iter()
+            .map(|s| (s.inst, s.dp, s.tp_size, s.ranks, s.blocks, s.entries, s.orphans, s.unknown, s.dups))
+            .collect();
+        let groups: Vec<(Vec<(i64, Reach)>, bool)> =
+            ix.workers.iter().map(|w| (w.groups.iter().map(|g| (g.group, g.reach)).collect(), w.grouped)).collect();
+        let score = ranked(ix, t, |m| if m == "GPU" { 1.0 } else { 0.5 }, None, None);
+        (ix.digest(&seeds), stats, ix.holder_blocks(), ix.entries(), ix.block_sizes.clone(), groups, score)
+    }
+
+    /// An atomic record whose last store overflows a refcount undoes every kind of change
+    /// the events before it made: inserts, dups, decrements, deletes, unknowns, a clear, a
+    /// new block size and a group's new reach.
+    #[test]
+    fn a_record_refused_at_its_last_event_leaves_the_index_as_it_was() {
+        let t = toks(64);
+        let wide = Ev::Store(Store {
+            medium: None,
+            group: 0,
+            ehs: &[31, 32],
+            tokens: &t,
+            bs: 32,
+            parent: None,
+            lora: None,
+            blk_ctx: None,
+            kind: Some("sliding_window"),
+            window: Some(64),
+        });
+        let mut evs =
+            vec![wide, remove(&[4]), remove(&[1]), remove(&[99]), stored(None, &[2], &t[64..128], Some(1)), Ev::Clear];
+        // The clear emptied the table: hash 9 reaches its ceiling within the record.
+        evs.extend((0..REF_MASK).map(|_| stored(None, &[9], &t[..64], None)));
+
+        // The record short of its last event applies, and changes what is seen.
+        let mut applied = two_workers(&t);
+        let untouched = seen(&mut applied, &t);
+        assert!(applied.apply(&rank("a", 0, 1), &evs, true).is_ok());
+        assert_ne!(seen(&mut applied, &t), untouched);
+
+        evs.push(stored(None, &[9], &t[..64], None));
+        let mut ix = two_workers(&t);
+        let before = seen(&mut ix, &t);
+        assert_eq!(ix.apply(&rank("a", 0, 1), &evs, true), Err(ApplyError::Overflow));
+        assert_eq!(seen(&mut ix, &t), before);
+        assert_eq!(counts(&ix, "a"), (4, 0, 0, 1));
+        // The undone rank still takes writes as before: block 1's two copies need two removes.
+        assert_eq!(ix.apply(&rank("a", 0, 1), &[remove(&[1])], true), Ok(1));
+        assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None)[0], ("a".to_string(), 64, 64.0));
     }
 }
