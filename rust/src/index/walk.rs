@@ -351,7 +351,7 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::test_util::toks;
+    use crate::index::test_util::{rank, ranked, stored, toks};
     use crate::index::{Ev, RankId, Store, EXCLUDED};
     use crate::keys::Ctx;
 
@@ -402,5 +402,99 @@ mod tests {
         assert_eq!(view(&["GPU", "CPU"]), a_b(48, 48));
         assert_eq!(view(&["GPU", "CPU", "STORAGE"]), a_b(64, 48));
         assert_eq!(view(&["STORAGE"]), vec![]);
+    }
+
+    fn one(_: &str) -> f64 {
+        1.0
+    }
+
+    fn hit(inst: &str, tokens: i64) -> (String, i64, f64) {
+        (inst.to_string(), tokens, tokens as f64)
+    }
+
+    /// The one-medium walk scores until a second medium appears; a block of another prompt
+    /// held on CPU by worker z then sends every score through the general walk.
+    fn add_a_second_medium(ix: &mut Index) {
+        assert_eq!(ix.media.len(), 1);
+        let other = toks(80);
+        ix.apply(&rank("z", 0, 1), &[stored(Some("CPU"), &[901], &other[256..], None)], true).unwrap();
+    }
+
+    #[test]
+    fn a_tp_worker_is_credited_only_for_blocks_every_rank_holds() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        ix.apply(&rank("a", 0, 2), &[stored(None, &[1, 2, 3, 4], &t, None)], true).unwrap();
+        ix.apply(&rank("a", 1, 2), &[stored(None, &[1, 2], &t[..128], None)], true).unwrap();
+        ix.apply(&rank("b", 0, 1), &[stored(None, &[11, 12, 13], &t[..192], None)], true).unwrap();
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("b", 48), hit("a", 32)]);
+        add_a_second_medium(&mut ix);
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("b", 48), hit("a", 32)]);
+        ix.apply(&rank("a", 1, 2), &[stored(None, &[3], &t[128..192], Some(2))], true).unwrap();
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("a", 48), hit("b", 48)]);
+    }
+
+    #[test]
+    fn a_masked_worker_is_not_scored() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        for inst in ["a", "b", "c"] {
+            ix.apply(&rank(inst, 0, 1), &[stored(None, &[1, 2, 3, 4], &t, None)], true).unwrap();
+        }
+        let b = ix.worker_id("b", 0).unwrap() as usize;
+        let mut mask = vec![true; 3];
+        mask[b] = false;
+        assert_eq!(ranked(&mut ix, &t, one, Some(&mask), None), vec![hit("a", 64), hit("c", 64)]);
+        // A mask shorter than the fleet leaves the workers past its end in.
+        assert_eq!(ix.worker_id("a", 0), Some(0));
+        assert_eq!(ranked(&mut ix, &t, one, Some(&[false]), None), vec![hit("b", 64), hit("c", 64)]);
+        add_a_second_medium(&mut ix);
+        assert_eq!(ranked(&mut ix, &t, one, Some(&mask), None), vec![hit("a", 64), hit("c", 64)]);
+    }
+
+    /// Best first: the weighted score, then the matched tokens, then the name; `top_k` keeps
+    /// the first k of that order, whatever order the workers came in.
+    #[test]
+    fn top_k_keeps_the_best_by_score_then_matched_then_name() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        // (name, medium, blocks held), stored in an order that is none of the ones checked.
+        let held =
+            [("f", "GPU", 2), ("e", "CPU", 2), ("d", "CPU", 4), ("c", "GPU", 3), ("b", "GPU", 2), ("a", "GPU", 4)];
+        let ehs = [1u64, 2, 3, 4];
+        for (inst, medium, n) in held {
+            ix.apply(&rank(inst, 0, 1), &[stored(Some(medium), &ehs[..n], &t[..n * 64], None)], true).unwrap();
+        }
+        let weight = |m: &str| if m == "GPU" { 1.0 } else { 0.5 };
+        let all = vec![
+            hit("a", 64),
+            hit("c", 48),
+            ("d".to_string(), 64, 32.0),
+            hit("b", 32),
+            hit("f", 32),
+            ("e".to_string(), 32, 16.0),
+        ];
+        assert_eq!(ranked(&mut ix, &t, weight, None, None), all);
+        for k in 0..=all.len() + 1 {
+            let want = &all[..k.min(all.len())];
+            assert_eq!(ranked(&mut ix, &t, weight, None, Some(k)), want, "top_k {k}");
+        }
+    }
+
+    #[test]
+    fn a_removed_middle_block_ends_the_credited_prefix() {
+        let mut ix = Index::new();
+        let t = toks(64);
+        ix.apply(&rank("a", 0, 1), &[stored(None, &[1, 2, 3, 4], &t, None)], true).unwrap();
+        ix.apply(&rank("b", 0, 1), &[stored(None, &[11, 12, 13, 14], &t, None)], true).unwrap();
+        let gone = Ev::Remove { medium: None, group: 0, ehs: &[2] };
+        ix.apply(&rank("a", 0, 1), &[gone], true).unwrap();
+        assert_eq!(ix.holder_blocks(), 7);
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("b", 64), hit("a", 16)]);
+        add_a_second_medium(&mut ix);
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("b", 64), hit("a", 16)]);
+        // Stored again under its parent, the block has its old key: the blocks after it count again.
+        ix.apply(&rank("a", 0, 1), &[stored(None, &[2], &t[64..128], Some(1))], true).unwrap();
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("a", 64), hit("b", 64)]);
     }
 }
