@@ -273,7 +273,8 @@ class PrefixIndex:
         raise IndexOverflow(done.message)
 
     def clear(self, rank: WorkerId) -> None:
-        """AllBlocksCleared: O(that rank's entries), counters kept."""
+        """AllBlocksCleared, counters kept: the rank's tables are retired at once and their slots
+        swept by later applies (see `unswept`)."""
         self.core.clear(rank.instance_id, rank.dp_rank, rank.tp_rank)
 
     def drop_rank(self, rank: WorkerId) -> None:
@@ -646,6 +647,13 @@ class PrefixIndex:
 
     def nbytes(self) -> int:
         return int(self.core.nbytes())
+
+    def unswept(self) -> tuple[int, int]:
+        """Cleared tables whose slots the core still has to sweep, and their entries: an
+        AllBlocksCleared retires a table at once, and later applies purge its slots a bounded
+        number at a time."""
+        tables, entries = self.core.unswept()
+        return int(tables), int(entries)
 
 
 def _tokens(token_ids: Any) -> np.ndarray:

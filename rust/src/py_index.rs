@@ -603,6 +603,13 @@ impl PyIndex {
         ix.entries()
     }
 
+    /// Cleared tables whose slots are not yet swept, and their entries.
+    fn unswept(slf: &Bound<'_, Self>) -> (usize, i64) {
+        let this = wait_borrow(slf);
+        let ix = this.read();
+        ix.unswept()
+    }
+
     fn nbytes(slf: &Bound<'_, Self>) -> usize {
         let this = wait_borrow(slf);
         let ix = this.read();

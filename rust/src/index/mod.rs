@@ -217,6 +217,11 @@ pub struct Index {
     pub block_sizes: BTreeSet<i64>,
     ctx: CtxCache,
     undo: Vec<Undo>,
+    /// Cleared tables whose S slots are still to be purged, oldest first,
+    /// with how far the sweep has gone through each (a slot position).
+    graveyard: std::collections::VecDeque<(RTable, (usize, usize))>,
+    /// Retired rm ids with no slot left in S, for the next table to reuse.
+    free_rm: Vec<u32>,
     name_rank: Vec<u32>,
     scratch: Vec<u64>,
 }

@@ -3,7 +3,11 @@
 
 use super::{is_grouped, reach_of, ApplyError, Ev, GroupSpec, Index, Loc, RankId, Reach, Store};
 use crate::keys::{engine_key, orphan_root, Ctx, ROOT};
-use crate::table::{RTable, ENGINE, ORPHAN, REF_MASK};
+use crate::table::{RTable, ENGINE, MAX_RM, ORPHAN, REF_MASK};
+
+/// Entries of cleared tables each apply purges from S before its own work:
+/// about 1 ms, so a cleared rank of 1M blocks is gone after ~500 applies.
+const SWEEP_PER_APPLY: usize = 2048;
 
 pub(super) enum Undo {
     Insert(Loc, u64),
@@ -11,7 +15,11 @@ pub(super) enum Undo {
     Dec(Loc, u64),
     Delete(Loc, u64, u64, u16),
     Unknown(Loc),
-    Clear(Loc, Box<RTable>),
+    /// A deferred clear: the table's rm was retired (its table is the
+    /// graveyard's last); the wm's block count and the holder sets it left.
+    Clear(Loc, i64, Vec<u64>),
+    /// A clear done in place (no rm id was free): the old table.
+    ClearNow(Loc, Box<RTable>),
     BlockSize(i64),
     Groups(u32, Vec<GroupSpec>, bool),
 }
@@ -67,6 +75,8 @@ impl Index {
         if atomic {
             Self::validate(events)?;
         }
+        // Before the undo log starts: a rollback only ever revives this call's clears.
+        self.sweep(SWEEP_PER_APPLY);
         self.undo.clear();
         let mut blocks = 0u64;
         for (e, ev) in events.iter().enumerate() {
@@ -245,10 +255,56 @@ impl Index {
     }
 
     fn clear_table(&mut self, l: Loc, log: bool) {
-        let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+        let (w, r, _) = l;
+        let tp_rank = self.workers[w as usize].ranks[r].tp_rank;
+        let t = &mut self.workers[w as usize].ranks[r].tables[l.2];
         if t.count == 0 {
             return;
         }
+        let (old_rm, medium, group) = (t.rm, t.medium, t.group);
+        let Some(rm) = self.spare_rm(old_rm) else {
+            return self.clear_now(l, log);
+        };
+        let t = &mut self.workers[w as usize].ranks[r].tables[l.2];
+        let mut fresh = RTable::new(rm, medium, group);
+        fresh.unknown = t.unknown;
+        fresh.dups = t.dups;
+        let old = std::mem::replace(t, fresh);
+        self.rm_ids.insert((w, tp_rank, medium, group), rm);
+        // The rank holds nothing now, so neither does its wm: one pass over
+        // the holder sets, and the old slots wait for `sweep`.
+        let wm = self.hd.rm_wm[old_rm as usize];
+        self.s.kill(old_rm);
+        let blocks = std::mem::take(&mut self.hd.wm_blocks[wm as usize]);
+        let had = self.s.forget_wm(wm);
+        self.graveyard.push_back((old, (0, 0)));
+        if log {
+            self.undo.push(Undo::Clear(l, blocks, had));
+        }
+    }
+
+    /// An rm id for a cleared table of `like`'s (worker, wm): a swept one, or a new one.
+    fn spare_rm(&mut self, like: u32) -> Option<u32> {
+        let rm = match self.free_rm.pop() {
+            Some(rm) => rm,
+            None => {
+                let rm = self.hd.rm_wm.len() as u32;
+                if rm > MAX_RM {
+                    return None;
+                }
+                self.hd.rm_wm.push(0);
+                self.rm_w.push(0);
+                rm
+            }
+        };
+        self.hd.rm_wm[rm as usize] = self.hd.rm_wm[like as usize];
+        self.rm_w[rm as usize] = self.rm_w[like as usize];
+        Some(rm)
+    }
+
+    /// The clear without a spare rm id: every entry's slot deleted now.
+    fn clear_now(&mut self, l: Loc, log: bool) {
+        let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
         let mut fresh = RTable::new(t.rm, t.medium, t.group);
         fresh.unknown = t.unknown;
         fresh.dups = t.dups;
@@ -257,8 +313,40 @@ impl Index {
             self.s.dec(key, old.rm, &mut self.hd);
         }
         if log {
-            self.undo.push(Undo::Clear(l, Box::new(old)));
+            self.undo.push(Undo::ClearNow(l, Box::new(old)));
         }
+    }
+
+    /// Purge up to `budget` entries of cleared tables from S; a table done
+    /// gives its rm id back. Bounded so that no apply pays for a whole clear.
+    pub fn sweep(&mut self, mut budget: usize) {
+        while budget > 0 {
+            let Some((t, (si, j))) = self.graveyard.front_mut() else { return };
+            while *si < t.shards.len() {
+                let sh = &t.shards[*si];
+                while *j < sh.eh.len() {
+                    if budget == 0 {
+                        return;
+                    }
+                    if sh.meta[*j] != 0 {
+                        self.s.purge(sh.key[*j], t.rm);
+                        budget -= 1;
+                    }
+                    *j += 1;
+                }
+                *si += 1;
+                *j = 0;
+            }
+            let rm = t.rm;
+            self.graveyard.pop_front();
+            self.s.revive(rm);
+            self.free_rm.push(rm);
+        }
+    }
+
+    /// Cleared tables not yet swept, and their entries left (an upper bound).
+    pub fn unswept(&self) -> (usize, i64) {
+        (self.graveyard.len(), self.graveyard.iter().map(|(t, _)| t.count).sum())
     }
 
     fn rank_pos(&self, inst: &str, dp: i64, tp_rank: i64) -> Option<(u32, usize)> {
@@ -322,7 +410,21 @@ impl Index {
                     self.tab(l).insert(eh, key, meta);
                 }
                 Undo::Unknown(l) => self.tab(l).unknown -= 1,
-                Undo::Clear(l, old) => {
+                Undo::Clear(l, blocks, had) => {
+                    let (old, _) = self.graveyard.pop_back().expect("this call's clear");
+                    let (w, r, _) = l;
+                    let tp_rank = self.workers[w as usize].ranks[r].tp_rank;
+                    // Everything stored after the clear is undone already: the fresh table is empty.
+                    let fresh = self.tab(l).rm;
+                    self.free_rm.push(fresh);
+                    let wm = self.hd.rm_wm[old.rm as usize];
+                    self.s.revive(old.rm);
+                    self.hd.wm_blocks[wm as usize] = blocks;
+                    self.s.restore_wm(wm, &had);
+                    self.rm_ids.insert((w, tp_rank, old.medium, old.group), old.rm);
+                    *self.tab(l) = old;
+                }
+                Undo::ClearNow(l, old) => {
                     for (_, key, _) in old.entries() {
                         let ok = self.s.inc(key, old.rm, &mut self.hd);
                         debug_assert!(ok);
@@ -605,5 +707,113 @@ mod tests {
         // The undone rank still takes writes as before: block 1's two copies need two removes.
         assert_eq!(ix.apply(&rank("a", 0, 1), &[remove(&[1])], true), Ok(1));
         assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None)[0], ("a".to_string(), 64, 64.0));
+    }
+}
+
+/// AllBlocksCleared retires the table's rm and leaves its slots to `sweep`:
+/// checked against indexes rebuilt from only what is still held, before and
+/// after the sweep, with and without holder sets, through TP and rm reuse.
+#[cfg(test)]
+mod clear_tests {
+    use super::super::test_util::{rank, stored, toks};
+    use super::super::{ApplyError, Ev, Index, Query};
+    use crate::keys::Ctx;
+    use crate::table::{CNT_MASK, PROMOTE};
+
+    /// (instance, matched tokens) of every credited worker, for `t` and for its first half
+    /// followed by other tokens.
+    fn answers(ix: &mut Index, t: &[u8]) -> Vec<(String, i64)> {
+        let ctx = Ctx::One(ix.context(None));
+        let w = vec![1.0; ix.media.len().max(1)];
+        let mut out = vec![];
+        for q in [t.to_vec(), [&t[..t.len() / 2], &toks(64)[..]].concat()] {
+            let s = ix.score(&[Query::Tokens { tokens: &q, bs: 16, ctx }], &w, None, None);
+            out.extend(s.worker.iter().zip(&s.matched).map(|(&w, &m)| (ix.workers[w as usize].inst.clone(), m)));
+        }
+        out.sort();
+        out
+    }
+
+    const SHARED: [u64; 4] = [1, 2, 3, 4];
+    const OWN: [u64; 4] = [5, 6, 7, 8];
+
+    /// Who stores what: a (TP 1) the shared chain and its own tail, b (TP 1) the shared
+    /// chain, c (TP 2) the shared chain on both ranks.
+    fn fill(ix: &mut Index, t: &[u8], who: &[(&str, i64, i64)]) {
+        for &(inst, tp_rank, tp_size) in who {
+            let r = rank(inst, tp_rank, tp_size);
+            ix.apply(&r, &[stored(None, &SHARED, &t[..256], None)], true).unwrap();
+            if inst == "a" {
+                ix.apply(&r, &[stored(None, &OWN, &t[256..], Some(4))], true).unwrap();
+            }
+        }
+    }
+
+    fn rebuilt(t: &[u8], who: &[(&str, i64, i64)], promote: u32) -> Index {
+        let mut ix = Index::new();
+        ix.s.promote = promote;
+        fill(&mut ix, t, who);
+        ix
+    }
+
+    #[test]
+    fn cleared_ranks_hold_nothing_before_and_after_the_sweep() {
+        let t = toks(128);
+        let all = [("a", 0, 1), ("b", 0, 1), ("c", 0, 2), ("c", 1, 2)];
+        for promote in [1, PROMOTE] {
+            let mut ix = rebuilt(&t, &all, promote);
+            ix.clear_rank("a", 0, 0, false);
+            ix.clear_rank("c", 0, 0, false);
+            assert_eq!(ix.unswept(), (2, 12));
+            let rest = [("b", 0, 1), ("c", 1, 2)];
+            let mut want = rebuilt(&t, &rest, promote);
+            assert_eq!(answers(&mut ix, &t), answers(&mut want, &t));
+            assert_eq!(ix.holder_blocks(), want.holder_blocks());
+            assert_eq!(ix.entries(), want.entries());
+            // Stored again before any sweep: the new slots count, the old ones still don't.
+            fill(&mut ix, &t, &[("a", 0, 1), ("c", 0, 2)]);
+            let mut want = rebuilt(&t, &all, promote);
+            assert_eq!(answers(&mut ix, &t), answers(&mut want, &t));
+            assert_eq!(ix.holder_blocks(), want.holder_blocks());
+            // A partial sweep changes nothing a reader sees; a full one leaves S as rebuilt.
+            ix.sweep(3);
+            assert_eq!(answers(&mut ix, &t), answers(&mut want, &t));
+            ix.sweep(usize::MAX);
+            assert_eq!(ix.unswept(), (0, 0));
+            assert_eq!(ix.s.count, want.s.count);
+            assert_eq!(answers(&mut ix, &t), answers(&mut want, &t));
+            // Many clears reuse the swept rm ids instead of growing the id space.
+            let ids = ix.hd.rm_wm.len();
+            for _ in 0..5 {
+                ix.clear_rank("a", 0, 0, false);
+                ix.sweep(usize::MAX);
+                fill(&mut ix, &t, &[("a", 0, 1)]);
+            }
+            assert_eq!(ix.hd.rm_wm.len(), ids);
+            assert_eq!(answers(&mut ix, &t), answers(&mut want, &t));
+            assert_eq!(ix.s.count, want.s.count);
+        }
+    }
+
+    #[test]
+    fn a_rolled_back_clear_restores_every_holder() {
+        let t = toks(128);
+        let all = [("a", 0, 1), ("b", 0, 1), ("c", 0, 2), ("c", 1, 2)];
+        for promote in [1, PROMOTE] {
+            let mut ix = rebuilt(&t, &all, promote);
+            let before = (answers(&mut ix, &t), ix.holder_blocks(), ix.entries(), ix.s.count, ix.s.multi.len());
+            let a = rank("a", 0, 1);
+            // Cleared, re-stored, then one key stored under more engine hashes than an S count
+            // holds: the record fails at its last event and is undone whole.
+            let many: Vec<u64> = (100..100 + CNT_MASK as u64 + 1).collect();
+            let mut evs = vec![Ev::Clear, stored(None, &SHARED, &t[..256], None)];
+            evs.extend(many.iter().map(|eh| stored(None, std::slice::from_ref(eh), &t[..64], None)));
+            assert_eq!(ix.apply(&a, &evs, true), Err(ApplyError::Overflow));
+            let after = (answers(&mut ix, &t), ix.holder_blocks(), ix.entries(), ix.s.count, ix.s.multi.len());
+            assert_eq!(after, before);
+            assert_eq!(ix.unswept(), (0, 0));
+            ix.sweep(usize::MAX);
+            assert_eq!(answers(&mut ix, &t), before.0);
+        }
     }
 }
