@@ -48,12 +48,13 @@ SUMMARY_KEYS = (
     "http_score_p50_us_c1",
     "http_score_rps_c32_json",
     *PEERS_KEYS,
+    "clear_rank_ms_1m_blocks",
     "soak_rss_growth_pct",
     "notes",
 )
 
 # Steps that never talk to Kafka: running only these starts no broker.
-BROKERLESS = ("peers", "soak")
+BROKERLESS = ("peers", "clear_rank", "soak")
 
 _IM_SMOKE = (
     "from bench.index_memory import run; from bench.common import write_result; "
@@ -85,6 +86,7 @@ def steps(mode: str, bootstrap: str, peers_holder_blocks: int | None = None) -> 
         # crate (minutes of CPU the first time), so neither the smoke run nor CI runs it.
         size = ["--holder-blocks", str(peers_holder_blocks)] if peers_holder_blocks else q
         out.append(("peers", ["-m", "bench.peers", *size], 3600))
+    out.append(("clear_rank", ["-m", "bench.clear_rank", *(["--smoke"] if tiny else q)], 900))
     # 30 minutes of churn at full size (bench/soak.py), 60 s at --quick, a few seconds in the smoke run.
     soak_size = ["--smoke"] if tiny else q
     out.append(("soak", ["-m", "bench.soak", *soak_size], 2400 if mode == "full" else 600))
@@ -296,6 +298,20 @@ def summarize(res: dict, errors: dict) -> dict:
         )
     else:
         missing(PEERS_KEYS, "peers")
+    cr = res.get("clear_rank")
+    if cr:
+        s["clear_rank_ms_1m_blocks"] = cr.get("clear_rank_ms_1m_blocks")
+        worst = max((r["sweep_max_apply_ms"] or 0 for r in cr["rounds"]), default=0)
+        applies = max((r["sweep_applies"] for r in cr["rounds"]), default=0)
+        notes["clear_rank_ms_1m_blocks"] = (
+            f"on-CPU ms of the apply carrying AllBlocksCleared for a rank of {cr['cleared_rank_blocks']:,} blocks "
+            f"(scaled to 1M) beside {cr['other_blocks']:,} on {cr['workers'] - 1} other workers, median of "
+            f"{len(cr['rounds'])} rounds; its slots purged by the next {applies} applies, the slowest "
+            f"{worst:.2f} ms; answers checked: {cr['answers_ok']}; load average {cr['load_avg'][0]:.2f} at end "
+            f"(bench/results/clear_rank.json)"
+        )
+    else:
+        missing(["clear_rank_ms_1m_blocks"], "clear_rank")
     so = res.get("soak")
     if so:
         s["soak_rss_growth_pct"] = so.get("soak_rss_growth_pct")

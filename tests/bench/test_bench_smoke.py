@@ -39,7 +39,7 @@ def test_bench_smoke_writes_every_summary_key(kafka_bootstrap, tmp_path):
         if v is None:
             assert k in notes and notes[k].startswith("null:"), (k, notes)
     # every step's JSON and each curve's plot landed in the results folder
-    steps = ["codec", "publish_cost", "index_memory", "apply_rate", "score_latency", "lag", "soak"]
+    steps = ["codec", "publish_cost", "index_memory", "apply_rate", "score_latency", "lag", "clear_rank", "soak"]
     if importlib.util.find_spec("bench.replay") is not None:
         steps.append("replay")
     for name in steps:
