@@ -6,8 +6,10 @@ use crate::keys::{engine_key, orphan_root, Ctx, ROOT};
 use crate::table::{RTable, ENGINE, MAX_RM, ORPHAN, REF_MASK};
 
 /// Entries of cleared tables each apply purges from S before its own work:
-/// about 1 ms, so a cleared rank of 1M blocks is gone after ~500 applies.
-const SWEEP_PER_APPLY: usize = 2048;
+/// ~0.15 ms at ~0.6 µs a purge, under the ingest slice (APPLY_BUDGET_US), so a
+/// cleared rank of 1M blocks is gone after ~4,000 applies. A rank re-storing
+/// its blocks takes one apply per record of ~32, so the sweep outruns it.
+const SWEEP_PER_APPLY: usize = 256;
 
 pub(super) enum Undo {
     Insert(Loc, u64),
