@@ -357,7 +357,7 @@ impl Index {
         Some((w, r))
     }
 
-    /// AllBlocksCleared: O(that rank's entries), counters kept.
+    /// AllBlocksCleared, counters kept: each table retired at once, its S slots left to `sweep`.
     pub fn clear_rank(&mut self, inst: &str, dp: i64, tp_rank: i64, log: bool) {
         if let Some((w, r)) = self.rank_pos(inst, dp, tp_rank) {
             for t in 0..self.workers[w as usize].ranks[r].tables.len() {
