@@ -685,7 +685,14 @@ class HttpWorkers:
             t = threading.Thread(target=self._thread, args=(loop, started, reuse), name=f"kvwire-http-{i}", daemon=True)
             self._threads.append((t, loop))
             t.start()
-            self.port = await started  # the first one resolves port 0 for the others
+            try:
+                self.port = await started  # the first one resolves port 0 for the others
+            except BaseException:
+                # The thread closes its loop on the way out: gone before `cleanup` could
+                # stop it (stopping a closed loop raises), so that one has nothing to stop.
+                await asyncio.to_thread(t.join, 10)
+                self._threads.remove((t, loop))
+                raise
         return self.port
 
     def _thread(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[int], reuse: bool) -> None:

@@ -140,3 +140,25 @@ async def test_block_hashes_scatter_to_peers_and_merge():
             body = await (await c.post("/v1/score", json={"block_hashes": hashes})).json()
     assert body["partial"] is False
     assert [(s["instance_id"], s["matched_tokens"]) for s in body["scores"]] == [("far", 48), ("near", 32)]
+
+
+async def test_http_workers_that_cannot_listen_raise_the_oserror_and_clean_up():
+    """A worker thread that cannot bind closes its own loop; `cleanup` afterwards must not try
+    to stop that closed loop (it raised "Event loop is closed", a traceback where `kvwire
+    index` owes one line: tests/cli/test_unreachable.py)."""
+    import asyncio
+    import socket
+
+    from aiohttp import web
+
+    from kvwire.consumer.http import HttpWorkers
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        workers = HttpWorkers(web.Application, "127.0.0.1", taken.getsockname()[1], 2, on_caller_loop=False)
+        with pytest.raises(OSError):
+            await workers.start()
+        await asyncio.sleep(0.05)  # the failed thread has closed its loop by now
+        await workers.cleanup()
+    assert workers._threads == []
