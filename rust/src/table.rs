@@ -50,6 +50,18 @@ pub fn mix(x: u64) -> u64 {
     h
 }
 
+/// The inverse of `mix` (each step of it is invertible): a key back from S.
+#[inline]
+pub fn unmix(h: u64) -> u64 {
+    let mut x = h;
+    x ^= x >> 33;
+    x = x.wrapping_mul(0x9CB4B2F8129337DB);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0x4F74430C22A54005);
+    x ^= x >> 33;
+    x
+}
+
 #[inline]
 fn home(h: u64, cap: usize) -> usize {
     (((h & 0xFFFF_FFFF) * cap as u64) >> 32) as usize
@@ -267,11 +279,14 @@ impl RTable {
 
 /// One S slot: a key and its meta side by side, 12 bytes (packed to 4), so
 /// that a probe costs one cache miss where parallel arrays cost two (the
-/// score walk is bound by those misses at 10M holder-blocks).
+/// score walk is bound by those misses at 10M holder-blocks). The key is kept
+/// mixed (`h = mix(key)`, a bijection; `unmix` gives the key back): a probe
+/// steps over other keys' slots by their home, and a stored `h` gives a
+/// slot's home in one multiply instead of a mix per slot stepped over.
 #[derive(Clone, Copy, Default)]
 #[repr(C, packed(4))]
 pub struct Slot {
-    pub key: u64,
+    pub h: u64,
     pub meta: u32,
 }
 
@@ -281,6 +296,9 @@ pub struct SShard {
 }
 
 pub const S_SHARD_BITS: u32 = 8;
+
+/// Slots `run_start` reads one by one before it gallops.
+const LINEAR_STEPS: usize = 4;
 
 #[inline]
 fn s_shard(h: u64) -> usize {
@@ -295,7 +313,7 @@ impl SShard {
     /// How far slot `j` (occupied) sits past its home.
     #[inline]
     fn disp(&self, j: usize, cap: usize) -> usize {
-        let h = home(mix(self.slot[j].key), cap);
+        let h = home(self.slot[j].h, cap);
         if j >= h {
             j - h
         } else {
@@ -303,20 +321,62 @@ impl SShard {
         }
     }
 
-    /// Calls `f(j)` for each slot of `key` (whose mixed hash is `h`), in run
+    /// Where `key`'s slots would start, as (position, distance from `key`'s
+    /// home `hk`): the first slot at or after `hk` that is empty or not homed
+    /// before `hk`. Robin Hood order keeps a cluster sorted by home, so "homed
+    /// before `hk`" holds for a prefix of the slots from `hk` on: after a few
+    /// linear steps (the usual case: a short displacement) the search gallops
+    /// and bisects. A shared prompt's key holds hundreds of slots in one run,
+    /// and a key homed inside that run skips it in O(log n) slots instead of
+    /// reading (and hashing) every one of them.
+    #[inline]
+    fn run_start(&self, hk: usize, cap: usize) -> (usize, usize) {
+        let at = |d: usize| if hk + d >= cap { hk + d - cap } else { hk + d };
+        // Homed before hk: occupied and displaced further than d.
+        let before = |d: usize| {
+            let j = at(d);
+            self.slot[j].meta != 0 && self.disp(j, cap) > d
+        };
+        let mut lo = 0usize;
+        while lo < LINEAR_STEPS {
+            if !before(lo) {
+                return (at(lo), lo);
+            }
+            lo += 1;
+        }
+        // before(lo - 1) holds; find hi with !before(hi), doubling the step.
+        lo -= 1;
+        let mut step = LINEAR_STEPS;
+        let mut hi = lo + step;
+        while before(hi) {
+            lo = hi;
+            step *= 2;
+            // An empty slot always exists, so `before` turns false within one lap.
+            hi = (lo + step).min(cap - 1);
+        }
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if before(mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        (at(hi), hi)
+    }
+
+    /// Calls `f(j)` for each slot of the key whose mixed hash is `h`, in run
     /// order, until `f` returns false. Robin Hood order keeps a run sorted by
-    /// home, so the scan stops at the first slot homed after `key`'s: it
-    /// skips only entries displaced past that home, not the rest of the
-    /// cluster (a shared prompt's hundreds of holders make clusters long).
+    /// home, so the slots homed before `key`'s are skipped by `run_start`, and
+    /// the scan stops at the first slot homed after `key`'s.
     /// Returns where the scan stopped: the slot `f` stopped at, or else where
     /// a new slot of `key` belongs (see `place_at`).
     #[inline]
-    fn slots_of(&self, key: u64, h: u64, mut f: impl FnMut(usize) -> bool) -> usize {
+    fn slots_of(&self, h: u64, mut f: impl FnMut(usize) -> bool) -> usize {
         let cap = self.slot.len();
-        let mut j = home(h, cap);
-        let mut d = 0usize;
+        let (mut j, mut d) = self.run_start(home(h, cap), cap);
         while self.slot[j].meta != 0 {
-            if self.slot[j].key == key {
+            if self.slot[j].h == h {
                 if !f(j) {
                     return j;
                 }
@@ -334,15 +394,15 @@ impl SShard {
 
     /// Robin Hood insert (the caller checked capacity): the entry goes to the
     /// first slot homed after its own (or the first empty one).
-    fn place(&mut self, key: u64, meta: u32, h: u64) {
-        let p = self.slots_of(key, h, |_| true);
-        self.place_at(p, key, meta);
+    fn place(&mut self, h: u64, meta: u32) {
+        let p = self.slots_of(h, |_| true);
+        self.place_at(p, h, meta);
     }
 
     /// Put an entry at `p`, where `slots_of` said it belongs: the rest of the
     /// cluster up to the next empty slot moves one place on, which keeps the
     /// run sorted by home without comparing anything.
-    fn place_at(&mut self, p: usize, key: u64, meta: u32) {
+    fn place_at(&mut self, p: usize, h: u64, meta: u32) {
         let cap = self.slot.len();
         let mut e = p;
         while self.slot[e].meta != 0 {
@@ -359,7 +419,7 @@ impl SShard {
             self.slot[0] = self.slot[cap - 1];
             self.slot.copy_within(p..cap - 1, p + 1);
         }
-        self.slot[p] = Slot { key, meta };
+        self.slot[p] = Slot { h, meta };
     }
 
     fn grow(&mut self, need: usize) {
@@ -374,23 +434,23 @@ impl SShard {
         // that run past the end go in last, by the general insert.
         let mut order: Vec<(u32, u32)> = (0..old.slot.len())
             .filter(|&i| old.slot[i].meta != 0)
-            .map(|i| (home(mix(old.slot[i].key), cap) as u32, i as u32))
+            .map(|i| (home(old.slot[i].h, cap) as u32, i as u32))
             .collect();
         order.sort_unstable();
         let mut next = 0usize;
         let mut late = vec![];
         for &(hn, i) in &order {
-            let (k, m) = (old.slot[i as usize].key, old.slot[i as usize].meta);
+            let (k, m) = (old.slot[i as usize].h, old.slot[i as usize].meta);
             let j = next.max(hn as usize);
             if j < cap {
-                self.slot[j] = Slot { key: k, meta: m };
+                self.slot[j] = Slot { h: k, meta: m };
                 next = j + 1;
             } else {
                 late.push((k, m));
             }
         }
         for (k, m) in late {
-            self.place(k, m, mix(k));
+            self.place(k, m);
         }
     }
 
@@ -543,7 +603,7 @@ impl STable {
         let s = &mut self.shards[s_shard(h)];
         let tag = rm + 1;
         let mut found = None;
-        s.slots_of(key, h, |j| {
+        s.slots_of(h, |j| {
             if (s.slot[j].meta >> CNT_BITS) == tag {
                 found = Some(j);
                 return false;
@@ -583,9 +643,9 @@ impl STable {
 
     /// Distinct ranks of `wm` holding `key` (each rm has at most one slot).
     #[inline]
-    fn run_count(s: &SShard, dead: &Dead, key: u64, h: u64, wm: u32, hd: &Holders) -> u32 {
+    fn run_count(s: &SShard, dead: &Dead, h: u64, wm: u32, hd: &Holders) -> u32 {
         let mut n = 0;
-        s.slots_of(key, h, |j| {
+        s.slots_of(h, |j| {
             let rm = rm_of(s.slot[j].meta);
             if hd.rm_wm[rm] == wm && !dead.has(rm) {
                 n += 1;
@@ -603,7 +663,7 @@ impl STable {
         let tag = rm + 1;
         let mut slots = 1u32; // this key's slots once the new one is in (the walk sees them all)
         let mut found = None;
-        let at = s.slots_of(key, h, |j| {
+        let at = s.slots_of(h, |j| {
             if (s.slot[j].meta >> CNT_BITS) == tag {
                 found = Some(j);
                 return false;
@@ -621,15 +681,15 @@ impl STable {
         }
         if s.len + 1 > limit(s.slot.len()) {
             s.grow(s.len + 1);
-            s.place(key, (tag << CNT_BITS) | 1, h);
+            s.place(h, (tag << CNT_BITS) | 1);
         } else {
-            s.place_at(at, key, (tag << CNT_BITS) | 1);
+            s.place_at(at, h, (tag << CNT_BITS) | 1);
         }
         s.len += 1;
         self.count += 1;
         let wm = hd.rm_wm[rm as usize];
         let tp = hd.wm_tp[wm as usize];
-        let held = tp == 0 || Self::run_count(s, dead, key, h, wm, hd) == tp;
+        let held = tp == 0 || Self::run_count(s, dead, h, wm, hd) == tp;
         if held {
             hd.wm_blocks[wm as usize] += 1;
         }
@@ -638,7 +698,7 @@ impl STable {
                 set_bit(bits, wm, true);
             }
         } else if slots >= self.promote {
-            let bits = Self::holder_set(s, dead, key, h, hd);
+            let bits = Self::holder_set(s, dead, h, hd);
             if bits.iter().any(|&b| b != 0) {
                 self.multi.insert(key, bits);
             }
@@ -647,15 +707,15 @@ impl STable {
     }
 
     /// The wms holding `key` (as many distinct ranks as their TP degree), computed from its slots.
-    fn holder_set(s: &SShard, dead: &Dead, key: u64, h: u64, hd: &Holders) -> Vec<u64> {
+    fn holder_set(s: &SShard, dead: &Dead, h: u64, hd: &Holders) -> Vec<u64> {
         let mut bits = vec![];
-        s.slots_of(key, h, |j| {
+        s.slots_of(h, |j| {
             let rm = rm_of(s.slot[j].meta);
             if dead.has(rm) {
                 return true;
             }
             let wm = hd.rm_wm[rm];
-            if Self::run_count(s, dead, key, h, wm, hd) >= hd.wm_tp[wm as usize].max(1) {
+            if Self::run_count(s, dead, h, wm, hd) >= hd.wm_tp[wm as usize].max(1) {
                 set_bit(&mut bits, wm, true);
             }
             true
@@ -674,7 +734,7 @@ impl STable {
         let s = &self.shards[s_shard(h)];
         let tag = rm + 1;
         let mut full = false;
-        s.slots_of(key, h, |j| {
+        s.slots_of(h, |j| {
             if (s.slot[j].meta >> CNT_BITS) == tag {
                 full = s.slot[j].meta & CNT_MASK == CNT_MASK;
                 return false;
@@ -690,7 +750,7 @@ impl STable {
         let dead = &self.dead;
         let tag = rm + 1;
         let mut found = None;
-        s.slots_of(key, h, |j| {
+        s.slots_of(h, |j| {
             if (s.slot[j].meta >> CNT_BITS) == tag {
                 found = Some(j);
                 return false;
@@ -705,7 +765,7 @@ impl STable {
         }
         let wm = hd.rm_wm[rm as usize];
         let tp = hd.wm_tp[wm as usize];
-        if tp == 0 || Self::run_count(s, dead, key, h, wm, hd) == tp {
+        if tp == 0 || Self::run_count(s, dead, h, wm, hd) == tp {
             hd.wm_blocks[wm as usize] -= 1;
             if let Some(bits) = self.multi.get_mut(&key) {
                 set_bit(bits, wm, false);
@@ -730,14 +790,13 @@ impl STable {
                 if s.slot[i].meta == 0 || dead.has(rm_of(s.slot[i].meta)) {
                     continue;
                 }
-                let key = s.slot[i].key;
+                let h = s.slot[i].h;
                 let wm = hd.rm_wm[rm_of(s.slot[i].meta)];
-                let h = mix(key);
                 let mut j = home(h, cap);
                 let mut first = true;
                 while j != i {
                     if s.slot[j].meta != 0
-                        && s.slot[j].key == key
+                        && s.slot[j].h == h
                         && hd.rm_wm[rm_of(s.slot[j].meta)] == wm
                         && !dead.has(rm_of(s.slot[j].meta))
                     {
@@ -750,7 +809,7 @@ impl STable {
                     }
                 }
                 if first {
-                    f(key, wm, Self::run_count(s, dead, key, h, wm, hd));
+                    f(unmix(h), wm, Self::run_count(s, dead, h, wm, hd));
                 }
             }
         }
@@ -784,8 +843,7 @@ impl STable {
         let s = &self.shards[s_shard(h)];
         let cap = s.slot.len();
         let slots = s.slot.as_ptr();
-        let mut j = home(h, cap);
-        let mut d = 0usize;
+        let (mut j, mut d) = s.run_start(home(h, cap), cap);
         // SAFETY: j < cap == key.len() == meta.len(), and the table always has an empty slot.
         unsafe {
             loop {
@@ -793,14 +851,14 @@ impl STable {
                 if m == 0 {
                     break;
                 }
-                let k = (*slots.add(j)).key;
-                if k == key {
+                let k = (*slots.add(j)).h;
+                if k == h {
                     let rm = ((m >> CNT_BITS) - 1) as usize;
                     if !self.dead.has(rm) {
                         f(rm);
                     }
                 } else {
-                    let hj = home(mix(k), cap);
+                    let hj = home(k, cap);
                     if (if j >= hj { j - hj } else { j + cap - hj }) < d {
                         break;
                     }
@@ -819,7 +877,7 @@ impl STable {
     pub fn holders(&self, key: u64, mut f: impl FnMut(u32)) {
         let h = mix(key);
         let s = &self.shards[s_shard(h)];
-        s.slots_of(key, h, |j| {
+        s.slots_of(h, |j| {
             let rm = rm_of(s.slot[j].meta);
             if !self.dead.has(rm) {
                 f(rm as u32);
