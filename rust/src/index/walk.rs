@@ -6,6 +6,18 @@ use super::{Index, Query, Scores};
 use crate::keys::{block_key_le, ROOT};
 use crate::table::STable;
 
+/// A score as an integer in the same order (f64 total order, -0.0 counted as 0.0, as the
+/// comparison of the numbers has it).
+#[inline]
+fn score_order(x: f64) -> u64 {
+    let b = (x + 0.0).to_bits();
+    if b >> 63 == 1 {
+        !b
+    } else {
+        b | 1 << 63
+    }
+}
+
 /// What the general score walk fills per worker and per wm; `walk_one_medium` fills it too.
 struct Runs<'r> {
     run_w: &'r mut [u32],
@@ -223,7 +235,6 @@ impl Index {
         if !hit_any {
             return out;
         }
-        let mut hits: Vec<u32> = (0..nw as u32).filter(|&w| best_run[w as usize] > 0).collect();
         let stale;
         let nr: &[u32] = if self.name_rank.len() == self.workers.len() {
             &self.name_rank
@@ -231,26 +242,29 @@ impl Index {
             stale = self.name_order();
             &stale
         };
-        let cmp = |a: &u32, b: &u32| {
-            let (a, b) = (*a as usize, *b as usize);
-            best_score[b]
-                .partial_cmp(&best_score[a])
-                .unwrap_or(std::cmp::Ordering::Equal)
-                .then(best_run[b].cmp(&best_run[a]))
-                .then(nr[a].cmp(&nr[b]))
-        };
+        // Best first: the weighted score, then the matched tokens, then the name. Each hit gets
+        // that order as plain integers once, so the sort compares words instead of chasing three
+        // arrays per comparison (a shared prompt matches hundreds of workers).
+        let mut hits: Vec<(u64, u64, u32, u32)> = (0..nw)
+            .filter(|&w| best_run[w] > 0)
+            .map(|w| (!score_order(best_score[w]), !(best_run[w] as u64), nr[w], w as u32))
+            .collect();
         if let Some(k) = top_k {
             if k < hits.len() {
                 if k == 0 {
                     hits.clear();
                 } else {
-                    hits.select_nth_unstable_by(k - 1, cmp);
+                    hits.select_nth_unstable(k - 1);
                     hits.truncate(k);
                 }
             }
         }
-        hits.sort_unstable_by(cmp);
-        for &w in &hits {
+        hits.sort_unstable();
+        out.worker.reserve(hits.len());
+        out.matched.reserve(hits.len());
+        out.score.reserve(hits.len());
+        out.by_off.reserve(hits.len());
+        for &(_, _, _, w) in &hits {
             let wu = w as usize;
             out.worker.push(w);
             out.matched.push(best_run[wu]);
