@@ -843,7 +843,9 @@ impl STable {
         let s = &self.shards[s_shard(h)];
         let cap = s.slot.len();
         let slots = s.slot.as_ptr();
-        let (mut j, mut d) = s.run_start(home(h, cap), cap);
+        let hk = home(h, cap);
+        // Most keys sit at their home: nothing homed before them to step over.
+        let (mut j, mut d) = if s.slot[hk].h == h { (hk, 0) } else { s.run_start(hk, cap) };
         // SAFETY: j < cap == key.len() == meta.len(), and the table always has an empty slot.
         unsafe {
             loop {
