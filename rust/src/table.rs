@@ -934,6 +934,16 @@ mod tests {
     /// inc/dec against a map of counts: every key's holders, every count, the
     /// ceiling, through growth and deletes, with a few keys of many holders
     /// (the long runs Robin Hood order is for) among many of one.
+    /// S keeps mixed keys and hands keys back through `unmix`: exact inverses.
+    #[test]
+    fn unmix_inverts_mix() {
+        let mut next = rng(7);
+        for x in [0u64, 1, u64::MAX, 1 << 63].into_iter().chain((0..10_000).map(|_| next())) {
+            assert_eq!(unmix(mix(x)), x);
+            assert_eq!(mix(unmix(x)), x);
+        }
+    }
+
     #[test]
     fn s_table_matches_a_map_through_growth_and_deletes() {
         let nrm = 40u32;
