@@ -47,12 +47,13 @@ impl Memo {
         if let Some(old) = self.map.insert(eh, (key, orphan)) {
             return MemoUndo::Updated(eh, old);
         }
-        self.order.push_back(eh);
-        let out = if self.order.len() > PARENT_MEMO {
+        // Room made before the push: the line never outgrows PARENT_MEMO, nor does its buffer.
+        let out = if self.order.len() == PARENT_MEMO {
             self.order.pop_front().map(|old| (old, self.map.remove(&old).expect("in the map")))
         } else {
             None
         };
+        self.order.push_back(eh);
         MemoUndo::Added(eh, out)
     }
 
