@@ -27,6 +27,15 @@ Semantics (``tests/oracle.py`` is the executable spec):
   (no false match), BlockRemoved still finds it by engine hash, children of an
   orphan inherit the flag, and ``WorkerStats.orphans`` shows how many are live.
   A parent found only in engine-hash mode counts as unknown.
+- **A parent just removed.** Engine hashes are prefix-chained, so the key a
+  hash was last stored under is still its key once it is removed: each worker
+  remembers the keys of its last ``_core.PARENT_MEMO`` removed hashes (not
+  engine-hash mode), and a parent found in none of its tables is looked up
+  there before it makes an orphan. LMCache evicts a chunk's parent just before
+  it stores the chunk, and vLLM can free a parent block before a child is
+  stored; without the memo such a child stayed an orphan even after its parent
+  came back. ``drop_worker`` forgets the memo; snapshots do not carry it (a
+  restored index orphans such a child again: an under-credit, never more).
 - **Engine-hash mode.** Events with ``block_size == 0`` or no token ids (vLLM
   OffloadingConnector without ``self_describing_kv_events``) are indexed under
   their engine hashes. ``score`` never sees them; ``score_engine_hashes`` does,

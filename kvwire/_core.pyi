@@ -26,6 +26,8 @@ def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
 # ---------------------------------------------------------------- index (rust/src/py_index.rs)
 # Only kvwire.consumer.index calls these; its PrefixIndex is the typed API.
 
+PARENT_MEMO: int  # removed engine hashes a worker remembers as parents (rust/src/index/memo.rs)
+
 class ScoreQuery:
     """One score query: token ids the core hashes, or keys computed before."""
 

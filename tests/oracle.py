@@ -11,8 +11,16 @@ Semantics mirrored (see consumer/index.py's docstring): refcounted duplicate
 stores that keep their first key, unknown removals counted, TP aggregation
 (a worker holds a key on a medium when >= tp_size of its ranks do), parent
 resolution order (own table, this rank's other tables, then the worker's other
-ranks, in creation order; engine-hash entries skipped), orphans, engine-hash
-mode, several block sizes, weighted scores.
+ranks, in creation order; engine-hash entries skipped; then the worker's memo of
+removed engine hashes), orphans, engine-hash mode, several block sizes, weighted
+scores.
+
+The memo: an engine hash names its whole prefix, so the key it was last stored
+under stays its key once it is removed. Per worker, the last ``PARENT_MEMO``
+engine hashes whose last reference a BlockRemoved took (engine-hash entries
+not), first in first out (an update keeps its place); a parent found in no
+table is looked up there before it makes an orphan. Clears and ``drop_rank``
+keep it, ``drop_worker`` forgets it, snapshots do not carry it.
 
 Hybrid models (several KV-cache groups, ``group_idx`` with vLLM's
 ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``): a worker with more
@@ -29,7 +37,7 @@ import msgspec
 import xxhash
 from keys_oracle import ENGINE_NS, ROOT, block_context, chain_step, context_seed, engine_hash_u64, orphan_root
 
-from kvwire._core import DeadKind, DeadRecord, Poll, Tally, Verdict, normalize_medium
+from kvwire._core import PARENT_MEMO, DeadKind, DeadRecord, Poll, Tally, Verdict, normalize_medium
 from kvwire.consumer.index import DEFAULT_WEIGHTS, MalformedEvent, WorkerScore, WorkerStats
 from kvwire.schemas import codec
 
@@ -84,6 +92,8 @@ class Oracle:
         self.block_sizes: set[int] = set()
         # worker -> group -> reach (None: every block); learned from token-keyed stores
         self.groups: dict[tuple, dict[int, int | None]] = {}
+        # worker -> {removed engine hash: (key, orphan)}, oldest first (dicts keep insertion order)
+        self.memo: dict[tuple, dict[int, tuple[int, bool]]] = {}
 
     def _tables(self, rank, medium, group):
         w = rank.worker
@@ -149,6 +159,9 @@ class Oracle:
                 e = t.get(peh)
                 if e is not None and not e.engine:
                     return e.key, e.orphan
+        gone = self.memo.get(rank.worker, {}).get(peh)
+        if gone is not None:
+            return gone
         return orphan_root(peh), True
 
     def apply_poll(self, ranks, records, start, budget_us, now_us, schema_ids=None):
@@ -227,6 +240,11 @@ class Oracle:
                 e.ref -= 1
             else:
                 del table[eh]
+                if not e.engine:
+                    memo = self.memo.setdefault(rank.worker, {})
+                    memo[eh] = (e.key, e.orphan)
+                    if len(memo) > PARENT_MEMO:
+                        del memo[next(iter(memo))]
 
     def clear(self, rank) -> None:
         for t in self.ranks.get(rank.worker, {}).get(rank.tp_rank, {}).values():
@@ -239,6 +257,7 @@ class Oracle:
 
     def drop_worker(self, worker) -> None:
         w = worker.worker if hasattr(worker, "worker") else tuple(worker)
+        self.memo.pop(w, None)
         if w in self.ranks:
             self.ranks[w] = {}
             self._forget(lambda c: c[0] == w)

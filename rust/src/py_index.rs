@@ -751,5 +751,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<TableRow>()?;
     m.add_class::<Exported>()?;
     m.add_class::<GroupReach>()?;
+    // The memo's bound, read by the oracle (tests/oracle.py) so that one number rules both.
+    m.add("PARENT_MEMO", crate::index::PARENT_MEMO)?;
     Ok(())
 }

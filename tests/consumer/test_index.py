@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracle import Oracle
 
+from kvwire import _core
 from kvwire.consumer.index import MalformedEvent, PrefixIndex
 from kvwire.consumer.keys import prompt_keys
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, BlockStored, WorkerId, stored
@@ -115,6 +116,56 @@ def test_unknown_parent_is_an_orphan_never_a_false_match_and_stays_removable():
     assert ix.workers()[("a", 0)].orphans == 1
     ix.store(A, ev(TOKS, 16, 3, 4, medium="CPU"))
     assert ix.workers()[("a", 0)].orphans == 1
+
+
+def test_a_child_of_a_parent_just_removed_is_chained_not_orphaned():
+    """LMCache evicts a chunk's parent just before it stores the chunk: one record carries
+    BlockRemoved(parent), BlockStored(child, parent). The parent's engine hash still names
+    the same prefix, so the child gets the chained key, and once the parent is stored again
+    the whole chain scores (as LMCache's lookup credits it)."""
+    ix, orc = both(("store", A, ev(TOKS, 16, 0, 2)))
+    for x in (ix, orc):
+        x.apply_batch(A, [rm(TOKS, 16, 1, 2), ev(TOKS, 16, 2, 4)])
+    assert ix.workers()[("a", 0)].orphans == 0
+    assert ix.score(TOKS)[0].matched_tokens == 16  # block 1 is gone: the chain stops there
+    same(ix, orc, [TOKS])
+    for x in (ix, orc):
+        x.store(A, ev(TOKS, 16, 1, 2))
+    assert ix.score(TOKS)[0].matched_tokens == 64
+    same(ix, orc, [TOKS])
+    # Removed by one TP rank's record, the child stored by the other's: the same worker's memo.
+    for r in (B0, B1):
+        ix.store(r, ev(TOKS, 16, 0, 2))
+        orc.store(r, ev(TOKS, 16, 0, 2))
+    for op in (("remove", B0, rm(TOKS, 16, 1, 2)), ("remove", B1, rm(TOKS, 16, 1, 2))):
+        getattr(ix, op[0])(*op[1:])
+        getattr(orc, op[0])(*op[1:])
+    for r in (B1, B0):
+        ix.store(r, ev(TOKS, 16, 2, 4))
+        orc.store(r, ev(TOKS, 16, 2, 4))
+        ix.store(r, ev(TOKS, 16, 1, 2))
+        orc.store(r, ev(TOKS, 16, 1, 2))
+    assert ix.workers()[("b", 0)].orphans == 0 and ix.score(TOKS, workers=[("b", 0)])[0].matched_tokens == 64
+    same(ix, orc, [TOKS])
+
+
+def test_the_memo_of_removed_parents_is_bounded_and_goes_with_its_worker():
+    """The worker remembers its last PARENT_MEMO removed hashes, oldest out first; a parent
+    older than that, or of a dropped worker, leaves an orphan again (an under-credit)."""
+    n = _core.PARENT_MEMO + 1
+    seq = list(range(n + 1))
+    ix, orc = both(("store", A, ev(seq, 1, 0, n)), ("remove", A, rm(seq, 1, 0, n)))
+    for x in (ix, orc):
+        x.store(A, ev(seq, 1, 1, 2))  # its parent, block 0, was pushed out by block n - 1
+        x.store(A, ev(seq, 1, n, n + 1))  # its parent, block n - 1, is remembered
+    assert ix.workers()[("a", 0)].orphans == 1
+    same(ix, orc, [seq])
+    for x in (ix, orc):
+        x.remove(A, rm(seq, 1, 0, n))
+        x.drop_worker(("a", 0))
+        x.store(A, ev(seq, 1, n, n + 1))
+    assert ix.workers()[("a", 0)].orphans == 1
+    same(ix, orc, [seq])
 
 
 def test_parent_on_another_rank_of_the_worker_resolves():

@@ -96,16 +96,27 @@ def test_export_import_is_the_same_index(seed, n):
     assert dst.digest(moved) == src.digest(moved) == reference_digest(src, moved)
     assert dst.digest() == reference_digest(dst)
     assert set(src.block_sizes()) <= set(dst.block_sizes())
-    # What comes after the snapshot (the log's tail) applies the same way to both.
+    # What comes after the snapshot (the log's tail) applies the same way to the snapshot
+    # wherever it is imported. A snapshot does not carry the memo of removed parents, so the
+    # index it was taken from may chain a child the imported one orphans: the same entries,
+    # never more credit.
+    fresh = PrefixIndex()
+    fresh.import_workers(src.export_workers(moved))
     tail = [op for op in random_ops(random.Random(seed + 2), 60) if op[1].worker in moved]
     for name, *args in tail:
-        getattr(src, name)(*args)
-        getattr(dst, name)(*args)
-    assert per_worker(dst, moved) == per_worker(src, moved)
-    for q in ([int(x) for x in range(64)],):
-        assert [s for s in dst.score(q) if (s.instance_id, s.dp_rank) in moved] == [
-            s for s in src.score(q) if (s.instance_id, s.dp_rank) in moved
-        ]
+        for ix in (src, dst, fresh):
+            getattr(ix, name)(*args)
+    assert per_worker(dst, moved) == per_worker(fresh, moved)
+    q = [int(x) for x in range(64)]
+    assert [s for s in dst.score(q) if (s.instance_id, s.dp_rank) in moved] == fresh.score(q)
+    kept, restored = per_worker(src, moved)[1], per_worker(dst, moved)[1]
+    assert kept.keys() == restored.keys()
+    for w, st_ in kept.items():
+        assert restored[w].entries == st_.entries and restored[w].orphans >= st_.orphans
+    credit = {(s.instance_id, s.dp_rank): s.matched_tokens for s in src.score(q)}
+    for s in dst.score(q):
+        if (s.instance_id, s.dp_rank) in moved:
+            assert s.matched_tokens <= credit.get((s.instance_id, s.dp_rank), 0)
 
 
 def test_digest_ignores_history_capacity_and_order():

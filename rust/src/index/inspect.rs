@@ -60,6 +60,7 @@ impl Index {
         let mut n = self.s.nbytes() + self.hd.rm_wm.len() * 4 + self.hd.wm_tp.len() * 16 + self.wm_worker.len() * 8;
         n += self.graveyard.iter().map(|(t, _)| t.nbytes()).sum::<usize>();
         for w in &self.workers {
+            n += w.memo.nbytes();
             for r in &w.ranks {
                 for t in &r.tables {
                     n += t.nbytes();

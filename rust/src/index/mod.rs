@@ -15,7 +15,8 @@
 //! One job per file, so that a change to how blocks are kept or walked
 //! touches only the file that does it: `registry` (ids), `write` (events and
 //! their undo log), `walk` (the score), `grouped` (hybrid models' groups),
-//! `inspect` (counts and read-backs), `import` (snapshots). The types the
+//! `inspect` (counts and read-backs), `import` (snapshots), `memo` (the keys
+//! of parents removed before their children are stored). The types the
 //! rest of the crate names live here.
 
 use std::collections::{BTreeSet, HashMap};
@@ -26,12 +27,14 @@ use crate::table::{Holders, RTable, STable};
 mod grouped;
 mod import;
 mod inspect;
+mod memo;
 mod registry;
 #[cfg(test)]
 mod test_util;
 mod walk;
 mod write;
 
+pub use memo::PARENT_MEMO;
 use write::Undo;
 
 pub struct Rank {
@@ -49,6 +52,8 @@ pub struct Worker {
     pub groups: Vec<GroupSpec>,
     /// Scored group by group (`score_grouped`): several groups, or a sparse one.
     pub grouped: bool,
+    /// Keys of engine hashes it removed lately (`memo.rs`): parents gone before their child.
+    memo: memo::Memo,
 }
 
 /// What a KV-cache group must hold for a prefix of L blocks to be usable.

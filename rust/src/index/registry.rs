@@ -43,6 +43,7 @@ impl Index {
             wms: vec![],
             groups: vec![],
             grouped: false,
+            memo: Default::default(),
         });
         self.worker_ids.entry(inst.to_owned()).or_default().push((dp, w));
         w

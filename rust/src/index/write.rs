@@ -1,6 +1,7 @@
 //! The write path: events checked, applied to a rank's tables and to S, each
 //! change logged so that a call that cannot finish is undone whole.
 
+use super::memo::MemoUndo;
 use super::{is_grouped, reach_of, ApplyError, Ev, GroupSpec, Index, Loc, RankId, Reach, Store};
 use crate::keys::{engine_key, orphan_root, Ctx, ROOT};
 use crate::table::{RTable, ENGINE, MAX_RM, ORPHAN, REF_MASK};
@@ -24,6 +25,12 @@ pub(super) enum Undo {
     ClearNow(Loc, Box<RTable>),
     BlockSize(i64),
     Groups(u32, Vec<GroupSpec>, bool),
+    /// A removed hash remembered by worker `.0`'s memo. What it says is true
+    /// whatever happens to the record, but a refused record must change
+    /// nothing a later record can see: its entry may have pushed an older one
+    /// out of the memo, and the oracle (and a replica that never saw the
+    /// record applied) would still have that one. So it is undone too.
+    Memo(u32, MemoUndo),
 }
 
 #[derive(Clone, Copy, PartialEq, Debug)]
@@ -229,6 +236,10 @@ impl Index {
                 }
             }
         }
+        // Gone from every table: the key it was last stored under is still its key.
+        if let Some(hit) = wk.memo.get(peh) {
+            return hit;
+        }
         (orphan_root(peh), true)
     }
 
@@ -250,6 +261,10 @@ impl Index {
                     let (key, meta) = t.remove(eh).expect("present");
                     self.s.dec(key, rm, &mut self.hd);
                     self.undo.push(Undo::Delete(l, eh, key, meta));
+                    if meta & ENGINE == 0 {
+                        let u = self.workers[l.0 as usize].memo.remember(eh, key, meta & ORPHAN != 0);
+                        self.undo.push(Undo::Memo(l.0, u));
+                    }
                 }
             }
         }
@@ -358,6 +373,7 @@ impl Index {
     }
 
     /// AllBlocksCleared, counters kept: each table retired at once, its S slots left to `sweep`.
+    /// The memo is kept (its keys are still right) and not filled: a clear stays O(1).
     pub fn clear_rank(&mut self, inst: &str, dp: i64, tp_rank: i64, log: bool) {
         if let Some((w, r)) = self.rank_pos(inst, dp, tp_rank) {
             for t in 0..self.workers[w as usize].ranks[r].tables.len() {
@@ -366,7 +382,9 @@ impl Index {
         }
     }
 
-    /// Forget a rank entirely (expiry): its blocks and its counters.
+    /// Forget a rank entirely (expiry): its blocks and its counters. The
+    /// worker's memo stays: its keys are still right, and the worker's other
+    /// ranks (or this one, back) store children of those parents.
     pub fn drop_rank(&mut self, inst: &str, dp: i64, tp_rank: i64) {
         if let Some((w, r)) = self.rank_pos(inst, dp, tp_rank) {
             self.clear_rank(inst, dp, tp_rank, false);
@@ -375,9 +393,13 @@ impl Index {
         }
     }
 
-    /// Forget every rank of a worker (partition revoked, worker gone).
+    /// Forget every rank of a worker (partition revoked, worker gone), and
+    /// its memo: still right, but a worker gone would keep its memory for
+    /// good, and a member that takes the partition over starts without it
+    /// (snapshots do not carry memos), so forgetting only under-credits.
     pub fn drop_worker(&mut self, inst: &str, dp: i64) {
         if let Some(w) = self.worker_id(inst, dp) {
+            self.workers[w as usize].memo.clear();
             for r in 0..self.workers[w as usize].ranks.len() {
                 for t in 0..self.workers[w as usize].ranks[r].tables.len() {
                     self.clear_table((w, r, t), false);
@@ -441,6 +463,7 @@ impl Index {
                     wk.groups = g;
                     wk.grouped = grouped;
                 }
+                Undo::Memo(w, u) => self.workers[w as usize].memo.undo(u),
             }
         }
     }
@@ -709,6 +732,83 @@ mod tests {
         // The undone rank still takes writes as before: block 1's two copies need two removes.
         assert_eq!(ix.apply(&rank("a", 0, 1), &[remove(&[1])], true), Ok(1));
         assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None)[0], ("a".to_string(), 64, 64.0));
+    }
+
+    /// The key under which `inst` holds engine hash `eh`, and whether it is an orphan.
+    fn entry(ix: &Index, inst: &str, eh: u64) -> Option<(u64, bool)> {
+        let w = ix.workers.iter().find(|w| w.inst == inst)?;
+        w.ranks.iter().flat_map(|r| &r.tables).find_map(|t| t.get(eh)).map(|(k, m)| (k, m & ORPHAN != 0))
+    }
+
+    /// LMCache evicts a chunk's parent just before storing the chunk, in one record: the
+    /// child still gets the chained key, and once the parent is back the chain scores whole.
+    #[test]
+    fn a_child_of_a_parent_just_removed_is_chained_not_orphaned() {
+        let t = toks(64);
+        let a = rank("a", 0, 1);
+        // The keys a record that kept its parent gives blocks 3 and 4.
+        let mut kept = Index::new();
+        kept.apply(&a, &[stored(None, &[1, 2], &t[..128], None), stored(None, &[3, 4], &t[128..], Some(2))], true)
+            .unwrap();
+        let want = (entry(&kept, "a", 3), entry(&kept, "a", 4));
+        assert!(matches!(want, (Some((_, false)), Some((_, false)))));
+
+        let mut ix = Index::new();
+        ix.apply(&a, &[stored(None, &[1, 2], &t[..128], None)], true).unwrap();
+        ix.apply(&a, &[remove(&[2]), stored(None, &[3, 4], &t[128..], Some(2))], true).unwrap();
+        assert_eq!((entry(&ix, "a", 3), entry(&ix, "a", 4)), want);
+        assert_eq!(counts(&ix, "a").1, 0);
+        // Block 2 missing: only block 1 scores; back again: the whole chain.
+        assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None), vec![("a".to_string(), 16, 16.0)]);
+        ix.apply(&a, &[stored(None, &[2], &t[64..128], Some(1))], true).unwrap();
+        assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None), vec![("a".to_string(), 64, 64.0)]);
+
+        // Removed in an earlier record, on another rank of the worker: the same.
+        let (r0, r1) = (rank("b", 0, 2), rank("b", 1, 2));
+        for r in [&r0, &r1] {
+            ix.apply(r, &[stored(None, &[1, 2], &t[..128], None)], true).unwrap();
+        }
+        ix.apply(&r0, &[remove(&[2])], true).unwrap();
+        ix.apply(&r1, &[remove(&[2])], true).unwrap();
+        ix.apply(&r1, &[stored(None, &[3, 4], &t[128..], Some(2))], true).unwrap();
+        assert_eq!((entry(&ix, "b", 3), entry(&ix, "b", 4)), want);
+
+        // A parent never stored, or stored in engine-hash mode, still leaves an orphan.
+        let engine = Ev::Store(Store { bs: 0, tokens: &[], ..store_of(&[8]) });
+        ix.apply(&a, &[engine, Ev::Remove { medium: None, group: 0, ehs: &[8] }], true).unwrap();
+        ix.apply(&a, &[stored(None, &[9], &t[..64], Some(8)), stored(None, &[10], &t[..64], Some(77))], true).unwrap();
+        assert!(matches!((entry(&ix, "a", 9), entry(&ix, "a", 10)), (Some((_, true)), Some((_, true)))));
+
+        // A dropped worker's memo goes with it.
+        ix.drop_worker("b", 0);
+        ix.apply(&r0, &[stored(None, &[3], &t[128..192], Some(2))], true).unwrap();
+        assert!(matches!(entry(&ix, "b", 3), Some((_, true))));
+    }
+
+    fn store_of(ehs: &[u64]) -> Store<'_> {
+        match stored(None, ehs, &[], None) {
+            Ev::Store(st) => st,
+            _ => unreachable!(),
+        }
+    }
+
+    /// A refused record's removes leave no trace in the memo: the child of a parent it
+    /// removed is an orphan, as it would be had the record never come.
+    #[test]
+    fn a_refused_record_leaves_the_memo_as_it_was() {
+        let t = toks(64);
+        let a = rank("a", 0, 1);
+        let mut ix = Index::new();
+        ix.apply(&a, &[stored(None, &[1, 2], &t[..128], None), stored(None, &[9], &t[..64], None)], true).unwrap();
+        let mut evs = vec![remove(&[2]), remove(&[9])];
+        evs.extend((0..=REF_MASK).map(|_| stored(None, &[9], &t[..64], None)));
+        assert_eq!(ix.apply(&a, &evs, true), Err(ApplyError::Overflow));
+        ix.apply(&a, &[Ev::Clear, stored(None, &[3], &t[128..192], Some(2))], true).unwrap();
+        assert!(matches!(entry(&ix, "a", 3), Some((_, true))));
+        // The same removes applied: the clear keeps the memo, and the child is chained.
+        ix.apply(&a, &[remove(&[3]), stored(None, &[1, 2], &t[..128], None), remove(&[2]), Ev::Clear], true).unwrap();
+        ix.apply(&a, &[stored(None, &[3], &t[128..192], Some(2))], true).unwrap();
+        assert!(matches!(entry(&ix, "a", 3), Some((_, false))));
     }
 }
 
