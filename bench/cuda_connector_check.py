@@ -43,11 +43,12 @@ What runs, all of it real code except where named:
 * Stores are incremental by default (``--mask lookup``), as vLLM's LMCache adapter makes them: a
   request skips the chunk-aligned head LMCache held at its lookup, so LMCache reports its first
   new chunk with parent 0 and kvwire's repair has to find the parent. Under eviction this has a
-  known outcome: when LMCache evicts a chunk's parent before the chunk goes in (the store's own
-  allocations can evict the head it skipped), kvwire's index files the chunk under an orphan
-  root and never re-links it, while ``lookup`` credits the whole chain once the parent is stored
-  again. Such mismatches (always an under-credit) are counted as ``orphan_mismatches``; they are
-  device-independent (``--device cpu --seed 2`` shows 4 of them). ``--mask none`` stores every
+  case this check found: LMCache evicts a chunk's parent just before the chunk goes in (the
+  store's own allocations can evict the head it skipped). kvwire's index used to file such a
+  chunk under an orphan root for good, under-crediting the chain once the parent was back
+  (``--device cpu --seed 2`` showed 4 such mismatches); a worker now remembers the keys of the
+  hashes it removed lately (``rust/src/index/memo.rs``). Mismatches of that kind are still
+  counted apart, as ``orphan_mismatches``. ``--mask none`` stores every
   prompt whole, as the project's tests do.
 
 Prints progress and one JSON summary; writes it to ``$OUT/cuda_check.json`` when ``OUT`` is set
