@@ -34,8 +34,9 @@ Semantics (``tests/oracle.py`` is the executable spec):
   there before it makes an orphan. LMCache evicts a chunk's parent just before
   it stores the chunk, and vLLM can free a parent block before a child is
   stored; without the memo such a child stayed an orphan even after its parent
-  came back. ``drop_worker`` forgets the memo; snapshots do not carry it (a
-  restored index orphans such a child again: an under-credit, never more).
+  came back. ``drop_worker`` forgets the memo; snapshots carry it, its order
+  included (``export_workers``), so a restored index fed the log's tail is the
+  index it was taken from fed the same tail.
 - **Engine-hash mode.** Events with ``block_size == 0`` or no token ids (vLLM
   OffloadingConnector without ``self_describing_kv_events``) are indexed under
   their engine hashes. ``score`` never sees them; ``score_engine_hashes`` does,
@@ -472,17 +473,25 @@ class PrefixIndex:
 
     def export_workers(self, workers: Iterable[tuple[str, int]]) -> bytes:
         """The R-table entries of these workers' ranks (engine hash, key,
-        refcount|flags) plus what names them, as one blob for ``import_workers``.
+        refcount|flags) plus what names them, and each worker's memo of removed
+        parents, as one blob for ``import_workers``.
 
-        Layout (version 1, unchanged since the numba index): ``b"KVWI" | u16
-        version | u16 0 | u32 header length | msgpack header | pad to 8 | u64
-        engine hashes | u64 keys | u16 metas``; the header lists tables as
-        (instance_id, dp_rank, tp_size, tp_rank, medium, group, entries,
-        unknown_removes, duplicate_stores) in array order. The scoring table is
-        not exported: it is derived (one count per entry), and rebuilding it
-        costs about what reading it would. Tables come in the index's own order
-        (a parent found in several of a worker's tables resolves to the first,
-        so order is part of the state).
+        Layout (version 2): ``b"KVWI" | u16 version | u16 0 | u32 header length
+        | msgpack header | pad to 8 | u64 engine hashes | u64 keys | u16 metas |
+        pad to 8 | u64 memo engine hashes | u64 memo keys | u8 memo orphan
+        flags``; the header lists tables as (instance_id, dp_rank, tp_size,
+        tp_rank, medium, group, entries, unknown_removes, duplicate_stores) in
+        array order, and memos as (instance_id, dp_rank, tp_size, entries) in
+        array order, each oldest first. The scoring table is not exported: it is
+        derived (one count per entry), and rebuilding it costs about what reading
+        it would. Tables come in the index's own order (a parent found in several
+        of a worker's tables resolves to the first, so order is part of the
+        state); so does each memo's line (it decides which hash is pushed out
+        next), so the log's tail applies to the import as to this index.
+
+        Version 1 (the layout from the numba index until the memo) is version 2
+        without the memo arrays and header key; ``import_workers`` still reads
+        it, with empty memos.
         """
         ws = sorted({(str(w[0]), int(w[1])) for w in workers})
         ex = self.core.export_workers(ws)
@@ -506,6 +515,7 @@ class PrefixIndex:
                 # KV-cache groups and their reach (tail blocks, 0 = every block); an older
                 # reader ignores the key, a blob without it restores groups as full attention.
                 "groups": [[g.instance_id, g.dp_rank, g.group, g.tail] for g in self.core.export_groups(ws)],
+                "memos": [list(m) for m in ex.memos],
             }
         )
         pad = -(_EXPORT_HEAD.size + len(head)) % 8
@@ -517,6 +527,10 @@ class PrefixIndex:
                 ex.ehs,
                 ex.keys,
                 ex.metas,
+                b"\0" * (-len(ex.metas) % 8),
+                ex.memo_ehs,
+                ex.memo_keys,
+                ex.memo_orphans,
             ]
         )
 
@@ -532,19 +546,26 @@ class PrefixIndex:
         if len(mv) < hs:
             raise ValueError("index blob truncated")
         magic, version, _, hlen = _EXPORT_HEAD.unpack_from(mv)
-        if magic != _EXPORT_MAGIC or version != _EXPORT_VERSION:
-            raise ValueError(f"not an index blob of version {_EXPORT_VERSION}")
+        if magic != _EXPORT_MAGIC or version not in _EXPORT_READS:
+            raise ValueError(f"not an index blob of version {', '.join(map(str, _EXPORT_READS))}")
         try:
             head = msgspec.msgpack.decode(mv[hs : hs + hlen])
             tables = head["tables"]
             block_sizes = [int(b) for b in head["block_sizes"]]
             groups = [(str(i), int(d), int(g), int(t)) for i, d, g, t in head.get("groups", ())]
+            # Version 1 has no memos: its workers start with empty ones, which under-credits a
+            # child of a parent removed before the snapshot, never over-credits.
+            memos = [(str(i), int(d), int(tp), int(c)) for i, d, tp, c in head["memos"]] if version >= 2 else []
             n = sum(int(t[6]) for t in tables)
+            m = sum(c for *_, c in memos)
+            if any(int(t[6]) < 0 for t in tables) or any(c < 0 for *_, c in memos):
+                raise ValueError("a negative count")
         except (msgspec.DecodeError, KeyError, TypeError, IndexError, ValueError) as e:
             raise ValueError(f"index blob header: {e}") from None
         off = hs + hlen + (-(hs + hlen) % 8)
-        if len(mv) != off + n * 18:
-            raise ValueError(f"index blob is {len(mv)} bytes, expected {off + n * 18}")
+        moff = off + n * 18 + (-(n * 2) % 8) if version >= 2 else off + n * 18
+        if len(mv) != moff + m * 17:
+            raise ValueError(f"index blob is {len(mv)} bytes, expected {moff + m * 17}")
         self.core.add_block_sizes(block_sizes)
         i = 0
         for inst, dp, tp_size, tp_rank, medium, g, cnt, unknown, dups in tables:
@@ -565,12 +586,30 @@ class PrefixIndex:
             i += cnt
         for inst, dp, g, tail in groups:
             self.core.import_group(inst, dp, g, tail)
+        j = 0
+        for inst, dp, tp, cnt in memos:
+            self.core.import_memo(
+                inst,
+                dp,
+                tp,
+                mv[moff + 8 * j : moff + 8 * (j + cnt)],
+                mv[moff + 8 * m + 8 * j : moff + 8 * m + 8 * (j + cnt)],
+                mv[moff + 16 * m + j : moff + 16 * m + j + cnt],
+            )
+            j += cnt
         return n
 
     def digest(self, workers: Iterable[tuple[str, int]] | None = None) -> str:
         """Hex digest of the set of holder-blocks (worker, medium, key): equal
         for two indexes holding the same blocks, whatever their history, table
-        capacity or insertion order. ``workers`` restricts it to those."""
+        capacity or insertion order. ``workers`` restricts it to those.
+
+        Memos of removed parents are left out: they are history, not held
+        blocks, and two indexes that hold the same blocks answer every score
+        alike whatever they remember; a memo that decides a later child shows
+        here as soon as it does (the child's key is held or not). Comparing the
+        digest with ``kvwire replay``'s, a brute-force model's or a member's
+        restored from a pre-memo snapshot stays a statement about held blocks."""
         names = self.core.wm_names()
         only = None if workers is None else {tuple(w) for w in workers}
         seeds = np.zeros(max(len(names), 1), np.uint64)
@@ -701,7 +740,11 @@ def _arrays(b: _core.ScoreBuffers) -> ScoreArrays:
 
 
 _EXPORT_MAGIC = b"KVWI"
-_EXPORT_VERSION = 1
+# 2: each worker's memo of removed parents, after the tables. Version 1 blobs (no memos) still load,
+# with empty memos: that under-credits a child of a parent removed before the export, never
+# over-credits, so refusing them (a replay of the partition) would cost more than it saves.
+_EXPORT_VERSION = 2
+_EXPORT_READS = (1, 2)
 _EXPORT_HEAD = struct.Struct("<4sHHI")
 
 __all__ = [

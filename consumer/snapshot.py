@@ -12,10 +12,14 @@ flipped flag or length is caught like a flipped body byte. ``body`` is msgpack
 of :class:`SnapshotBody`, zlib-compressed when flag bit 0 is set (off by
 default: the index is engine hashes and chained keys, random bits zlib cannot
 shrink, and compressing 180 MB costs seconds). ``SnapshotBody.index`` is
-``PrefixIndex.export_workers`` (18 bytes per engine-hash entry). A snapshot
-whose magic, version, flags, length, checksum or content is wrong is ignored,
-logged and counted, and the partition is replayed from the log start: a
-snapshot is never trusted unverified.
+``PrefixIndex.export_workers`` (18 bytes per engine-hash entry, 17 per entry of a
+worker's memo of removed parents), a blob with its own version: a body whose
+blob predates the memos (blob version 1) loads with empty memos, which
+under-credits a child of a parent removed before it, never over-credits, so it
+is no reason to replay (the body's container is unchanged, so this format's
+version is too). A snapshot whose magic, version, flags, length, checksum or
+content is wrong is ignored, logged and counted, and the partition is replayed
+from the log start: a snapshot is never trusted unverified.
 
 Stores: a compacted Kafka topic ``<topic>.snapshots`` with as many partitions
 as the source topic (partition p's snapshot lives in partition p mod n, so a

@@ -92,6 +92,10 @@ class Exported:
     ehs: bytes  # u64 engine hashes, table after table
     keys: bytes  # u64 block keys
     metas: bytes  # u16 refcount|flags
+    memos: list[tuple[str, int, int, int]]  # (instance_id, dp_rank, tp_size, entries) per worker with a memo
+    memo_ehs: bytes  # u64 removed engine hashes, oldest first, worker after worker
+    memo_keys: bytes  # u64 block keys
+    memo_orphans: bytes  # u8 orphan flags (0 or 1)
 
 @final
 class GroupReach:
@@ -172,6 +176,7 @@ class Index:
         unknown: int,
         dups: int,
     ) -> None: ...
+    def import_memo(self, inst: str, dp: int, tp_size: int, ehs: Any, keys: Any, orphans: Any) -> None: ...
 
 # ---------------------------------------------------------------- keys (rust/src/py_keys.rs)
 # The one home of every key rule; kvwire.consumer.keys is the typed face.

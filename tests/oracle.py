@@ -20,7 +20,8 @@ under stays its key once it is removed. Per worker, the last ``PARENT_MEMO``
 engine hashes whose last reference a BlockRemoved took (engine-hash entries
 not), first in first out (an update keeps its place); a parent found in no
 table is looked up there before it makes an orphan. Clears and ``drop_rank``
-keep it, ``drop_worker`` forgets it, snapshots do not carry it.
+keep it, ``drop_worker`` forgets it (snapshots, which carry it, are the
+index's business: the oracle has none).
 
 Hybrid models (several KV-cache groups, ``group_idx`` with vLLM's
 ``kv_cache_spec_kind``/``kv_cache_spec_sliding_window``): a worker with more

@@ -240,13 +240,19 @@ pub struct TableRow {
 }
 
 /// `export_workers`: the tables in the index's order, then their entries' engine hashes (u64),
-/// keys (u64) and metas (u16, refcount|flags), table after table.
+/// keys (u64) and metas (u16, refcount|flags), table after table; and the workers' memos of
+/// removed parents, (instance_id, dp_rank, tp_size, entries) per worker with one, then their
+/// engine hashes (u64), keys (u64) and orphan flags (u8), oldest first, worker after worker.
 #[pyclass(module = "kvwire._core", frozen, get_all)]
 pub struct Exported {
     pub tables: Vec<Py<TableRow>>,
     pub ehs: Py<PyBytes>,
     pub keys: Py<PyBytes>,
     pub metas: Py<PyBytes>,
+    pub memos: Vec<(String, i64, u32, usize)>,
+    pub memo_ehs: Py<PyBytes>,
+    pub memo_keys: Py<PyBytes>,
+    pub memo_orphans: Py<PyBytes>,
 }
 
 /// A worker's KV-cache group and what a prefix needs of it (`export_groups`): its last
@@ -676,11 +682,22 @@ impl PyIndex {
         let ix = self.read();
         let mut tables = vec![];
         let (mut ehs, mut ks, mut ms): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
+        let mut memos = vec![];
+        let (mut mes, mut mks, mut mos): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
         for (inst, dp) in workers {
             let Some(w) = ix.worker_id(&inst, dp) else {
                 continue;
             };
             let wk = &ix.workers[w as usize];
+            let memo = ix.memo_entries(w);
+            if !memo.is_empty() {
+                memos.push((inst.clone(), dp, wk.tp_size, memo.len()));
+                for (e, k, o) in memo {
+                    mes.extend_from_slice(&e.to_le_bytes());
+                    mks.extend_from_slice(&k.to_le_bytes());
+                    mos.push(o as u8);
+                }
+            }
             for r in &wk.ranks {
                 for t in &r.tables {
                     let row = TableRow {
@@ -708,7 +725,38 @@ impl PyIndex {
             ehs: PyBytes::new(py, &ehs).unbind(),
             keys: PyBytes::new(py, &ks).unbind(),
             metas: PyBytes::new(py, &ms).unbind(),
+            memos,
+            memo_ehs: PyBytes::new(py, &mes).unbind(),
+            memo_keys: PyBytes::new(py, &mks).unbind(),
+            memo_orphans: PyBytes::new(py, &mos).unbind(),
         })
+    }
+
+    /// Install one worker's memo of removed parents as `export_workers` wrote it (oldest first;
+    /// orphan flags 0 or 1).
+    // One argument per field of a blob header's memo row and per array, as `import_table`.
+    #[allow(clippy::too_many_arguments)]
+    fn import_memo(
+        &mut self,
+        py: Python<'_>,
+        inst: &str,
+        dp: i64,
+        tp_size: u32,
+        ehs: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        orphans: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let e = words_u64(RawBuf::get(ehs)?.bytes());
+        let k = words_u64(RawBuf::get(keys)?.bytes());
+        let o = RawBuf::get(orphans)?;
+        let o = o.bytes();
+        if e.len() != k.len() || e.len() != o.len() || o.iter().any(|&b| b > 1) {
+            return Err(PyValueError::new_err(format!("index blob: a malformed memo for {inst}/{dp}")));
+        }
+        let entries: Vec<(u64, u64, bool)> = (0..e.len()).map(|i| (e[i], k[i], o[i] == 1)).collect();
+        self.write(py)
+            .import_memo(inst, dp, tp_size, &entries)
+            .map_err(|why| PyValueError::new_err(format!("index blob: {why} for {inst}/{dp}")))
     }
 
     // One argument per field of a blob header's table row, which Python reads and checks.

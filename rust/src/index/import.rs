@@ -1,4 +1,4 @@
-//! A snapshot's tables and group list installed into an index.
+//! A snapshot's tables, group list and memos installed into an index.
 
 use super::{is_grouped, GroupSpec, Index, RankId, Reach, TableBlob};
 use crate::table::{ENGINE, REF_MASK};
@@ -35,6 +35,32 @@ impl Index {
         Ok(())
     }
 
+    /// Install a worker's exported memo, oldest first (`Memo::entries`), so its line, and
+    /// what it pushes out next, is the exporter's. Err when the worker already remembers
+    /// something or a hash comes twice: not a blob `export` wrote for an index without the
+    /// worker. More than `PARENT_MEMO` entries (a build with a larger bound wrote it) keep
+    /// the newest, as the line would have.
+    pub fn import_memo(&mut self, inst: &str, dp: i64, tp: u32, entries: &[(u64, u64, bool)]) -> Result<(), String> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        // A worker whose ranks all expired keeps its memo (`drop_rank`), so the blob may name a
+        // worker no table names: created here as its tables would have.
+        let w = self.worker(inst, dp, tp.max(1));
+        let memo = &mut self.workers[w as usize].memo;
+        if !memo.is_empty() {
+            return Err("a memo for a worker that has one".into());
+        }
+        for &(eh, key, orphan) in entries {
+            if memo.get(eh).is_some() {
+                memo.clear();
+                return Err("a hash twice in a memo".into());
+            }
+            memo.remember(eh, key, orphan);
+        }
+        Ok(())
+    }
+
     /// A group's reach as a snapshot recorded it (the worker exists once its tables do).
     pub fn set_group(&mut self, inst: &str, dp: i64, group: i64, reach: Reach) {
         if let Some(w) = self.worker_id(inst, dp) {
@@ -51,5 +77,43 @@ impl Index {
         if bs > 0 {
             self.block_sizes.insert(bs);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_util::{rank, stored, toks};
+    use super::super::{Ev, Index};
+
+    /// The memo moved with its worker: a child of a parent removed before the move is
+    /// chained where it lands, as where it came from.
+    #[test]
+    fn an_imported_memo_chains_like_the_exported_one() {
+        let t = toks(64);
+        let a = rank("a", 0, 1);
+        let mut src = Index::new();
+        src.apply(&a, &[stored(None, &[1, 2], &t[..128], None)], true).unwrap();
+        src.apply(&a, &[Ev::Remove { medium: None, group: 0, ehs: &[1, 2] }], true).unwrap();
+        let w = src.worker_id("a", 0).unwrap() as usize;
+        let memo: Vec<_> = src.workers[w].memo.entries().collect();
+        assert_eq!(memo.len(), 2);
+
+        // Every table gone with the removes: the memo alone names the worker.
+        let mut dst = Index::new();
+        dst.import_memo("a", 0, 1, &memo).unwrap();
+        let child = [stored(None, &[3], &t[128..192], Some(2))];
+        for ix in [&mut src, &mut dst] {
+            ix.apply(&a, &child, true).unwrap();
+        }
+        let held = |ix: &Index| {
+            let w = ix.worker_id("a", 0).unwrap() as usize;
+            ix.workers[w].ranks[0].tables[0].entries().collect::<Vec<_>>()
+        };
+        assert_eq!(held(&dst), held(&src));
+        assert_eq!(dst.stats()[0].orphans, 0);
+
+        // Not what an export writes for an index without the worker: refused.
+        assert!(dst.import_memo("a", 0, 1, &memo).is_err());
+        assert!(Index::new().import_memo("b", 0, 1, &[(5, 6, false), (5, 7, true)]).is_err());
     }
 }

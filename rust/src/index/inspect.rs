@@ -70,6 +70,12 @@ impl Index {
         n
     }
 
+    /// Worker `w`'s memo of removed parents as (engine hash, key, orphan), oldest first: what a
+    /// snapshot carries of it (`import_memo` rebuilds the same line).
+    pub fn memo_entries(&self, w: u32) -> Vec<(u64, u64, bool)> {
+        self.workers[w as usize].memo.entries().collect()
+    }
+
     /// (key, wm) of every holder-block.
     pub fn holder_keys(&self, mut f: impl FnMut(u64, u32)) {
         let tps = &self.hd.wm_tp;

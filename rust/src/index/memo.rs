@@ -12,6 +12,10 @@
 //!
 //! Bounded, first in first out: a worker costs at most `PARENT_MEMO` entries
 //! (~33 B each). Updating an entry keeps its place in the line.
+//!
+//! Snapshots carry it, line order included (`entries`, `Index::import_memo`):
+//! the order decides what is pushed out next, so a restored index fed the
+//! log's tail chains (and forgets) exactly what the index it came from does.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasherDefault;
@@ -75,6 +79,18 @@ impl Memo {
         }
     }
 
+    /// (engine hash, block key, orphan), oldest first: the line as `remember` rebuilds it.
+    pub fn entries(&self) -> impl Iterator<Item = (u64, u64, bool)> + '_ {
+        self.order.iter().map(|&eh| {
+            let (key, orphan) = self.map[&eh];
+            (eh, key, orphan)
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
     pub fn clear(&mut self) {
         self.map = HashMap::default();
         self.order = VecDeque::new();
@@ -107,5 +123,24 @@ mod tests {
         m.remember(1 << 41, 5, false);
         assert_eq!(m.get(0), None);
         assert_eq!(m.get(1), Some((2, false)));
+    }
+
+    #[test]
+    fn entries_rebuild_the_same_line() {
+        let mut m = Memo::default();
+        for eh in 0..PARENT_MEMO as u64 + 3 {
+            m.remember(eh * 7, eh, eh % 3 == 0);
+        }
+        m.remember(21, 9, true); // an update keeps its place
+        let mut back = Memo::default();
+        for (eh, key, orphan) in m.entries() {
+            back.remember(eh, key, orphan);
+        }
+        assert_eq!(back.entries().collect::<Vec<_>>(), m.entries().collect::<Vec<_>>());
+        assert_eq!(back.entries().next(), Some((21, 9, true)));
+        // Both push out the same hash next.
+        for x in [&mut m, &mut back] {
+            assert!(matches!(x.remember(1 << 50, 1, false), MemoUndo::Added(_, Some((21, (9, true))))));
+        }
     }
 }

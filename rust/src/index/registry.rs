@@ -10,7 +10,7 @@ impl Index {
         self.worker_ids.get(inst)?.iter().find(|(d, _)| *d == dp).map(|(_, w)| *w)
     }
 
-    fn worker(&mut self, inst: &str, dp: i64, tp: u32) -> u32 {
+    pub(super) fn worker(&mut self, inst: &str, dp: i64, tp: u32) -> u32 {
         if let Some(w) = self.worker_id(inst, dp) {
             if self.workers[w as usize].tp_size != tp {
                 // Ranks disagree on the TP degree: the latest word wins, and

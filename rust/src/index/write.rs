@@ -395,8 +395,8 @@ impl Index {
 
     /// Forget every rank of a worker (partition revoked, worker gone), and
     /// its memo: still right, but a worker gone would keep its memory for
-    /// good, and a member that takes the partition over starts without it
-    /// (snapshots do not carry memos), so forgetting only under-credits.
+    /// good, and a member that takes the partition over gets it from the
+    /// partition's snapshot (`export_workers` carries it), as it gets the tables.
     pub fn drop_worker(&mut self, inst: &str, dp: i64) {
         if let Some(w) = self.worker_id(inst, dp) {
             self.workers[w as usize].memo.clear();
