@@ -28,15 +28,14 @@ What a subscriber sees is the index's state of the worker, not a copy of raw rec
 - replay: a request for seq s is answered with the buffered batches from s on while s is in the
   buffer. Older (any age: a router restarted after a million batches) gets the whole current
   state (``AllBlocksCleared``, then every held block, parents first, in batches of at most
-  ``MAX_BATCH_EVENTS``) under the seqs from s on, empty batches for the other seqs before the
-  oldest buffered one, then every buffered batch, then seq -1 as vLLM ends a replay.
-  vllm-router 0.1.17 drops a replay whose seqs do not run on from the one it asked for
-  ("noncontiguous seq"), and then does not credit the worker: hence one frame per missed seq,
-  sent ``REPLAY_FRAMES_PER_TICK`` at a time. Re-applying the buffered history on top of the
-  current state ends at that same state (a stream stores only what was not held and removes only
-  what was, and a block held at the end was stored again after anything that removed it); on the
-  way a removal can name a parent whose child the compaction held, which a tree such as Dynamo's
-  drops and then gets stored again later in the same replay;
+  ``MAX_BATCH_EVENTS``) under the seqs from s on, empty batches for the other seqs up to the
+  last one sent, then seq -1 as vLLM ends a replay. vllm-router 0.1.17 drops a replay whose
+  seqs do not run on from the one it asked for ("noncontiguous seq"), and then does not credit
+  the worker: hence one frame per missed seq, sent ``REPLAY_FRAMES_PER_TICK`` at a time. The
+  state is taken when the request arrives, so the subscriber only ever grows towards it: it
+  never re-applies buffered history on top of it, which would credit blocks stored and since
+  removed, and drop blocks removed and since stored again, until the replay's end (a restarted
+  vllm-router routed by those passing states for as long as its replay took);
 - frames go out on vLLM's default topic ``""``, live and on replay (vllm-router 0.1.17 drops
   any other).
 
@@ -357,30 +356,18 @@ class EventStreams:
                 s.replays.popleft()
 
     def _history(self, s: _Stream, start: int) -> Iterator[tuple[int, bytes]]:
-        """What a replay from ``start`` answers (see the module docstring), lazily: the frames
-        go out ``REPLAY_FRAMES_PER_TICK`` at a time."""
-        buf = list(s.buffer)  # the answer is the history as the request found it
+        """What a replay from ``start`` answers (see the module docstring). The state is read
+        now, when the request arrives, so that it is the state at the last seq sent; the frames
+        are encoded lazily and go out ``REPLAY_FRAMES_PER_TICK`` at a time."""
+        buf = list(s.buffer)
         if not buf or start > buf[-1][0]:
-            return
+            return iter(())
         if start >= buf[0][0]:
-            yield from ((q, p) for q, p in buf if q >= start)
-            return
+            return iter([(q, p) for q, p in buf if q >= start])
         events: list[Event] = [AllBlocksCleared()]
         if not s.cleared:
             events += self._stores(s.worker, self.table.held(s.worker))
-        # The compaction takes the seqs from ``start`` on, a batch each, the last of them all
-        # that is left when there are fewer seqs than batches; empty batches fill the rest.
-        chunks = _chunks(events)
-        slots = buf[0][0] - start
-        if len(chunks) > slots:
-            chunks[slots - 1 :] = [[e for c in chunks[slots - 1 :] for e in c]]
-        now = time.time()
-        for i, c in enumerate(chunks):
-            yield start + i, encode(Batch(now, c, s.worker[1]))
-        filler = encode(Batch(now, [], s.worker[1]))
-        for q in range(start + len(chunks), buf[0][0]):
-            yield q, filler
-        yield from buf
+        return _compaction(s.worker[1], start, buf[-1][0], _chunks(events))
 
     # ------------------------------------------------------------ listing
 
@@ -414,6 +401,20 @@ class EventStreams:
         """The next seq of a worker's stream (-1: no stream): for tests and operators."""
         s = self._streams.get(worker)
         return -1 if s is None else s.seq
+
+
+def _compaction(dp_rank: int, start: int, last: int, chunks: list[list[Event]]) -> Iterator[tuple[int, bytes]]:
+    """A state under the seqs ``start..last``, a batch each, the last of them all that is left
+    when there are fewer seqs than batches; empty batches fill the rest."""
+    slots = last - start + 1
+    if len(chunks) > slots:
+        chunks[slots - 1 :] = [[e for c in chunks[slots - 1 :] for e in c]]
+    now = time.time()
+    for i, c in enumerate(chunks):
+        yield start + i, encode(Batch(now, c, dp_rank))
+    filler = encode(Batch(now, [], dp_rank))
+    for q in range(start + len(chunks), last + 1):
+        yield q, filler
 
 
 def _chunks(events: list[Event]) -> list[list[Event]]:

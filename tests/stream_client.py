@@ -8,10 +8,9 @@ the seq asked for). Batches are decoded with vLLM's ``KVEventBatch`` decoder (vl
 is a router's: per (medium, group) the set of block hashes stored and not removed since the
 last clear. It also checks the stream's promises as it goes: seqs contiguous after a replay, a
 store's parent already held (parents before children), no removal of a block whose child is
-still held (children before parents). After a replay answered with a compaction, the live
-batches that follow re-apply history on top of the end state, which passes through states the
-worker was never in and ends exactly at it: the order is checked on the compaction and on live
-batches after the first one past the replay."""
+still held (children before parents), on live batches and on every frame of a replay. It keeps
+what each replay stored (``replay_stored``): a replay answered with the worker's current state
+stores nothing the stream does not hold at the replay's end."""
 
 from __future__ import annotations
 
@@ -44,6 +43,9 @@ class StreamClient:
         self.replays = 0
         self.clears = 0
         self.violations: list[str] = []
+        # Per replay: every block hash it stored, in any (medium, group).
+        self.replay_stored: list[set[int]] = []
+        self._storing: set[int] | None = None
 
     def close(self) -> None:
         self.sub.close(linger=0)
@@ -64,7 +66,7 @@ class StreamClient:
                 self._replay(self.next_seq or 0)
                 if seq < (self.next_seq or 0):
                     continue  # the replay answered with history up to and past it
-                self._apply(seq, payload, replayed=True, check=False)
+                self._apply(seq, payload, replayed=True)
                 continue
             if seq < self.next_seq:
                 continue
@@ -74,6 +76,8 @@ class StreamClient:
     def _replay(self, start: int) -> None:
         self.replays += 1
         first = True
+        self._storing = set()
+        self.replay_stored.append(self._storing)
         self.replay.send_multipart([b"", start.to_bytes(8, "big")])
         while True:
             if not self.replay.poll(30_000):
@@ -81,12 +85,13 @@ class StreamClient:
             _, topic, seq_b, payload = self.replay.recv_multipart()
             seq = int.from_bytes(seq_b, "big", signed=True)
             if seq == END:
+                self._storing = None
                 return
             if topic != b"":
                 self.violations.append(f"replay topic {topic!r}")
             if first and seq != start:
                 self.violations.append(f"replay from {start} answered from seq {seq}")
-            self._apply(seq, payload, replayed=True, check=first)
+            self._apply(seq, payload, replayed=True)
             first = False
 
     def _apply(self, seq: int, payload: bytes, replayed: bool = False, check: bool = True) -> None:
@@ -108,6 +113,8 @@ class StreamClient:
                     if check and parent is not None and parent not in held:
                         self.violations.append(f"store of {h} before its parent {parent}")
                     held.add(h)
+                    if self._storing is not None:
+                        self._storing.add(h)
                     self.parents[h] = parent  # type: ignore[assignment]
                     self.tokens[h] = ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size]
                     parent = h

@@ -119,13 +119,12 @@ def check(base: str, fleet, want: dict[int, tuple[str, int]], router: Proc, prob
 
 
 def _check(base: str, fleet, want: dict[int, tuple[str, int]], probes: list[int]) -> None:
-    # The router reads each stream in the background: first one prompt per worker (and the
-    # ``probes``, whose answer a change made) routes as the caches say, so the router has read
-    # what changed; then every prompt must, in one pass.
-    first: dict[tuple[str, int], int] = {}
-    for p, w in want.items():
-        first.setdefault(w, p)
-    for p in [*first.values(), *probes]:
+    # The router reads each stream in the background, and a replay it asked for brings a
+    # worker's state at once, so what it credits only grows towards the truth: each prompt (the
+    # ``probes``, whose answer a change made, first) is waited for until it routes as the caches
+    # say, then every prompt must still, in one pass (a router that passed through states the
+    # workers were never in would have moved one back).
+    for p in [*probes, *want]:
         wait_for(lambda p=p: routed(base, fleet.prompts[p]) == want[p][0], f"vllm-router learned prompt {p}")
     got = {p: routed(base, fleet.prompts[p]) for p in want}
     assert got == {p: w[0] for p, w in want.items()}
