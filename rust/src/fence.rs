@@ -19,6 +19,7 @@
 //! record applied). A worker is trusted when all its `tp_size` ranks are.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use pyo3::prelude::*;
 
@@ -97,6 +98,18 @@ pub struct Fence {
     ranks: HashMap<String, HashMap<(i64, i64), RankState>>,
     /// instance_id -> dp_rank -> tp_size (the latest a rank said)
     tp_size: HashMap<String, HashMap<i64, i64>>,
+    /// Counts changes of what `TrustView` shows (trust, approximate, ranks, tp sizes).
+    gen: u64,
+    /// The latest `TrustView` and the `gen` it was made at: every score reads it, and it
+    /// changes far less often than records arrive.
+    view: Mutex<Option<(u64, Arc<TrustView>)>>,
+}
+
+/// The workers a score leaves out (untrusted) and marks (approximate).
+#[derive(Default, Debug, PartialEq)]
+pub struct TrustView {
+    pub untrusted: Vec<(String, i64)>,
+    pub approximate: Vec<(String, i64)>,
 }
 
 fn distrust(st: &mut RankState, why: String) {
@@ -123,13 +136,15 @@ impl Fence {
     }
 
     pub fn admit(&mut self, s: &Stamp) -> Verdict {
-        match self.tp_size.get_mut(s.inst) {
-            Some(m) => {
-                m.insert(s.dp, s.tp_size);
-            }
+        let tp_changed = match self.tp_size.get_mut(s.inst) {
+            Some(m) => m.insert(s.dp, s.tp_size) != Some(s.tp_size),
             None => {
                 self.tp_size.entry(s.inst.to_owned()).or_default().insert(s.dp, s.tp_size);
+                true
             }
+        };
+        if tp_changed {
+            self.gen += 1;
         }
         let by_inst = match self.ranks.get_mut(s.inst) {
             Some(m) => m,
@@ -156,8 +171,19 @@ impl Fence {
             }
             note(&mut st, s);
             by_inst.insert((s.dp, s.tp_rank), st);
+            self.gen += 1;
             return Verdict::Reset;
         };
+        let before = (st.trusted, st.approximate);
+        let v = Self::admit_rank(st, s);
+        if (st.trusted, st.approximate) != before {
+            self.gen += 1;
+        }
+        v
+    }
+
+    /// The verdict for a rank seen before, and what it changes of the rank's state.
+    fn admit_rank(st: &mut RankState, s: &Stamp) -> Verdict {
         if s.epoch != st.epoch {
             if st.retired.contains(&s.epoch) {
                 return Verdict::StaleEpoch;
@@ -207,6 +233,7 @@ impl Fence {
 
     /// The rank's full state is known (it cleared everything): trusted again.
     pub fn state_known(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        self.gen += 1;
         if let Some(st) = self.get_mut(inst, dp, tp_rank) {
             st.trusted = true;
             st.reason.clear();
@@ -214,6 +241,7 @@ impl Fence {
     }
 
     pub fn distrust(&mut self, inst: &str, dp: i64, tp_rank: i64, why: String) {
+        self.gen += 1;
         if let Some(st) = self.get_mut(inst, dp, tp_rank) {
             distrust(st, why);
         }
@@ -225,44 +253,89 @@ impl Fence {
 
     /// A worker is trusted when every one of its ranks we know is, and we know all of them.
     pub fn worker_trusted(&self, inst: &str, dp: i64) -> bool {
-        let mut n = 0i64;
+        let (mut n, mut all) = (0i64, true);
         if let Some(m) = self.ranks.get(inst) {
             for ((d, _), st) in m {
                 if *d == dp {
-                    if !st.trusted {
-                        return false;
-                    }
                     n += 1;
+                    all &= st.trusted;
                 }
             }
         }
-        n >= self.tp_size_of(inst, dp).unwrap_or(1)
+        self.trusted_given(inst, dp, n, all)
+    }
+
+    /// The rule, given how many of the worker's ranks are known and whether all of those are trusted.
+    fn trusted_given(&self, inst: &str, dp: i64, known: i64, all_trusted: bool) -> bool {
+        all_trusted && known >= self.tp_size_of(inst, dp).unwrap_or(1)
+    }
+
+    /// Per worker (instance, dp rank): how many ranks are known, whether all are trusted and
+    /// whether any is approximate, to `f`. One pass over the ranks: a score asks for the
+    /// untrusted workers on every query, so this is linear in the fleet, never quadratic.
+    fn per_worker<'a>(&'a self, mut f: impl FnMut(&'a str, i64, i64, bool, bool)) {
+        let mut by_dp: Vec<(i64, bool, bool)> = vec![];
+        for (inst, m) in &self.ranks {
+            by_dp.clear();
+            by_dp.extend(m.iter().map(|((d, _), st)| (*d, st.trusted, st.approximate)));
+            by_dp.sort_unstable_by_key(|x| x.0);
+            let mut i = 0;
+            while i < by_dp.len() {
+                let (d, mut all, mut any) = by_dp[i];
+                let mut n = 1;
+                while i + n < by_dp.len() && by_dp[i + n].0 == d {
+                    all &= by_dp[i + n].1;
+                    any |= by_dp[i + n].2;
+                    n += 1;
+                }
+                f(inst, d, n as i64, all, any);
+                i += n;
+            }
+        }
     }
 
     pub fn workers(&self) -> Vec<(&str, i64)> {
-        let mut out: Vec<(&str, i64)> = vec![];
-        for (inst, m) in &self.ranks {
-            for (d, _) in m.keys() {
-                if !out.iter().any(|(i, x)| i == inst && x == d) {
-                    out.push((inst, *d));
-                }
-            }
-        }
+        let mut out = vec![];
+        self.per_worker(|i, d, _, _, _| out.push((i, d)));
         out
     }
 
     pub fn untrusted_workers(&self) -> Vec<(&str, i64)> {
-        self.workers().into_iter().filter(|(i, d)| !self.worker_trusted(i, *d)).collect()
+        let mut out = vec![];
+        self.per_worker(|i, d, n, all, _| {
+            if !self.trusted_given(i, d, n, all) {
+                out.push((i, d));
+            }
+        });
+        out
+    }
+
+    /// The untrusted and approximate workers, made again only after something they depend on
+    /// changed.
+    pub fn trust_view(&self) -> Arc<TrustView> {
+        let mut v = self.view.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((g, tv)) = &*v {
+            if *g == self.gen {
+                return Arc::clone(tv);
+            }
+        }
+        let own = |w: Vec<(&str, i64)>| w.into_iter().map(|(i, d)| (i.to_owned(), d)).collect();
+        let tv = Arc::new(TrustView {
+            untrusted: own(self.untrusted_workers()),
+            approximate: own(self.approximate_workers()),
+        });
+        *v = Some((self.gen, Arc::clone(&tv)));
+        tv
     }
 
     /// Workers any of whose ranks' latest record came from an approximate source.
     pub fn approximate_workers(&self) -> Vec<(&str, i64)> {
-        let mut out: Vec<(&str, i64)> = vec![];
-        for (i, d, _, st) in self.all() {
-            if st.approximate && !out.iter().any(|(a, b)| *a == i && *b == d) {
+        let mut out = vec![];
+        self.per_worker(|i, d, _, _, any| {
+            if any {
                 out.push((i, d));
             }
-        }
+        });
         out
     }
 
@@ -279,6 +352,7 @@ impl Fence {
     }
 
     pub fn forget(&mut self, inst: &str, dp: i64, tp_rank: i64) {
+        self.gen += 1;
         if let Some(m) = self.ranks.get_mut(inst) {
             m.remove(&(dp, tp_rank));
             if m.is_empty() {
@@ -288,6 +362,7 @@ impl Fence {
     }
 
     pub fn forget_worker(&mut self, inst: &str, dp: i64) {
+        self.gen += 1;
         if let Some(m) = self.ranks.get_mut(inst) {
             m.retain(|(d, _), _| *d != dp);
             if m.is_empty() {
@@ -304,6 +379,7 @@ impl Fence {
 
     /// Install a rank's state as a snapshot recorded it.
     pub fn restore(&mut self, inst: &str, dp: i64, tp_rank: i64, st: RankState, tp_size: i64) {
+        self.gen += 1;
         self.ranks.entry(inst.to_owned()).or_default().insert((dp, tp_rank), st);
         self.tp_size.entry(inst.to_owned()).or_default().insert(dp, tp_size);
     }
@@ -391,5 +467,69 @@ mod tests {
         assert!(f.worker_trusted("a", 0));
         assert_eq!(f.admit(&st(2, 0, true, 0)), Verdict::Reset);
         assert_eq!(f.admit(&st(1, 9, false, 0)), Verdict::StaleEpoch);
+    }
+
+    /// The view a score reads is cached; after any sequence of records and calls it equals
+    /// the workers `worker_trusted` (the rule) and the ranks' approximate flags give.
+    #[test]
+    fn trust_view_follows_every_change() {
+        let insts = ["a", "b", "c"];
+        let mut f = Fence::new();
+        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        let mut seqs: HashMap<(usize, i64, i64), i64> = HashMap::new();
+        for step in 0..4000 {
+            let (i, dp, tp_rank) = (rnd(3) as usize, rnd(2) as i64, rnd(2) as i64);
+            match rnd(10) {
+                0 => f.distrust(insts[i], dp, tp_rank, "test".into()),
+                1 => f.state_known(insts[i], dp, tp_rank),
+                2 => f.forget(insts[i], dp, tp_rank),
+                3 if step % 7 == 0 => f.forget_worker(insts[i], dp),
+                _ => {
+                    let seq = seqs.entry((i, dp, tp_rank)).or_insert(-1);
+                    *seq += 1 + i64::from(rnd(20) == 0);
+                    let s = Stamp {
+                        inst: insts[i],
+                        dp,
+                        tp_rank,
+                        tp_size: 1 + rnd(2) as i64,
+                        epoch: 1,
+                        seq: *seq,
+                        ts_us: 0,
+                        reset: rnd(15) == 0,
+                        gap: 0,
+                        approximate: rnd(4) == 0,
+                        model: "",
+                    };
+                    f.admit(&s);
+                }
+            }
+            let tv = f.trust_view();
+            let mut want_u: Vec<(String, i64)> = vec![];
+            let mut want_a: Vec<(String, i64)> = vec![];
+            for inst in insts {
+                for dp in 0..2 {
+                    let ranks: Vec<&RankState> = (0..2).filter_map(|t| f.get(inst, dp, t)).collect();
+                    if ranks.is_empty() {
+                        continue;
+                    }
+                    if !f.worker_trusted(inst, dp) {
+                        want_u.push((inst.into(), dp));
+                    }
+                    if ranks.iter().any(|r| r.approximate) {
+                        want_a.push((inst.into(), dp));
+                    }
+                }
+            }
+            let (mut got_u, mut got_a) = (tv.untrusted.clone(), tv.approximate.clone());
+            got_u.sort();
+            got_a.sort();
+            assert_eq!((got_u, got_a), (want_u, want_a), "after step {step}");
+        }
     }
 }
