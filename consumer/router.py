@@ -23,14 +23,14 @@ per router): ``kvwire-index.<topic>.<hostname>``, so two embedding routers on on
 pass distinct ``group`` names; pass a shared ``group`` to split partitions with other members.
 
 How a reader stays consistent while ingest applies: every record is applied whole inside
-one core call (``_core.apply_poll``, see ``rust/src/pipeline.rs``), and a score sees the
-index either before or after such a call, never inside one. A score runs in the core
-with the GIL released, so scores from several threads (this router's, or
-``kvwire index --http-workers N``'s loops) walk the index at the same time; they hold the
-index's read side, and an apply call waits for the scores in flight and holds its write
-side until it returns (``rust/src/py_index.rs``, ``Shared``). No reader sees half a record: a
-score equals the one the oracle gives for some prefix of the applied records
-(``tests/consumer/test_router.py``).
+one quantum of a core call (``_core.apply_poll``, see ``rust/src/pipeline.rs``), and a score
+sees the index either before or after such a quantum, never inside one. Applying and scoring
+both run in the core with the GIL released, so scores from several threads (this router's, or
+``kvwire index --http-workers N``'s loops) walk the index at the same time while ingest runs
+its Python; they hold the index's read side, and a quantum waits for the scores in flight and
+holds its write side until it ends, early when a reader waits (``rust/src/py_index.rs``,
+``Shared``). No reader sees half a record: a score equals the one the oracle gives for some
+prefix of the applied records (``tests/consumer/test_router.py``).
 """
 
 from __future__ import annotations

@@ -14,10 +14,16 @@
 //!   index comes through here: the malformed-store rule, the context hashing
 //!   and the medium names have no other implementation;
 //! - when its time budget is spent: the ingest loop yields to the event loop
-//!   (heartbeats, HTTP readers) and calls again. This is how readers stay
-//!   consistent: the GIL is held for the whole call, each record is applied
-//!   whole inside it, and a reader runs only between calls, so it sees a whole
-//!   record or none. The budget bounds how long a reader waits.
+//!   (heartbeats) and calls again.
+//!
+//! Readers on other threads (HTTP loops, an embedding router) are not kept
+//! waiting for a whole call: the call works in quanta of at most `QUANTUM_US`,
+//! each holding the index and the fence and applying whole records without the
+//! GIL, and a reader that waits ends the quantum after its record and goes
+//! before the next one. So a reader sees every record whole or not at all.
+//! Measured with `python -m bench.score_latency` (`under_ingest`): with the
+//! GIL held for a whole call, a score from another thread waited for Python's
+//! switch interval (5 ms) again and again, and fell seconds behind.
 //!
 //! Counters come back once per call, so metrics are updated once per slice of
 //! a poll, not once per record.
@@ -27,12 +33,13 @@ use std::borrow::Cow;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
 
 use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict, RETIRED_EPOCHS};
 use crate::index::{ApplyError, Ev, Index, RankId, Store};
 use crate::keys::{self, Key};
-use crate::py_index::{wait_borrow, PyIndex, ScoreArgs};
+use crate::py_index::{acquire, readers_waiting, spin_then, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// What an overflowed record's dead letter says after its kind.
@@ -343,14 +350,50 @@ pub fn is_approximate(source: &str) -> bool {
     source.ends_with("/approximate")
 }
 
-/// The shipped writer version a registry id stands for, from `codec.SchemaIds.shipped()`.
-fn version_of(schema_ids: Option<&Bound<'_, PyDict>>, id: u32) -> Option<u32> {
-    schema_ids?.get_item(id).ok()??.extract().ok()
+/// A registry id's shipped writer version, from `codec.SchemaIds.shipped()` ({id: version}),
+/// read once per call so that decoding needs no Python.
+fn versions(schema_ids: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(u32, u32)>> {
+    let mut out = vec![];
+    if let Some(d) = schema_ids {
+        for (k, v) in d.iter() {
+            if let (Ok(k), Ok(v)) = (k.extract::<u32>(), v.extract::<u32>()) {
+                out.push((k, v));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// How long one quantum of `apply_poll` holds the index and the fence: what a score arriving
+/// meanwhile waits for at most (besides the record in progress).
+const QUANTUM_US: u64 = 40;
+/// A quantum that a reader waits for ends after its record once it has run this long: a
+/// steady stream of readers slows ingest down, never stops it.
+const QUANTUM_MIN_US: u64 = 10;
+/// The most records whose bytes are taken from Python at once (then read without the GIL).
+const CHUNK_RECORDS: usize = 256;
+
+/// How a chunk ended.
+enum Stop {
+    /// Its records are all applied.
+    Done,
+    /// The budget is spent: the records before `.0` are applied.
+    Budget(usize),
+    /// The fast decoder declined record `.0`; those before it are applied.
+    Declined(usize),
 }
 
 /// Decode, fence and apply `records[start:]` (bytes values, or objects with a
 /// `.value`) until one is declined or `budget_us` is spent. `schema_ids`:
 /// {registry id: shipped writer version} for Confluent-framed values.
+///
+/// The records' bytes are taken under the GIL a chunk at a time; then, without the GIL, the
+/// chunk is applied in quanta of at most `QUANTUM_US`, each holding the fence's lock and the
+/// index's write lock and applying whole records. A score from another thread (an HTTP loop)
+/// runs its Python meanwhile and takes the locks between two quanta: a quantum ends early
+/// when a reader waits (`py_index::acquire`), and the next one starts once the readers
+/// waiting have their locks. A reader sees every record whole or not at all, and the fence
+/// as of the same record.
 #[pyfunction]
 #[pyo3(signature = (index, fence, records, start, budget_us, now_us, schema_ids=None))]
 pub fn apply_poll<'py>(
@@ -363,11 +406,9 @@ pub fn apply_poll<'py>(
     schema_ids: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Poll> {
     let py = index.py();
-    let ixg = index.borrow_mut();
-    let mut fg = fence.borrow_mut();
-    let mut ixw = ixg.write(py);
-    let ix = &mut *ixw;
-    let f = &mut fg.fence;
+    let vers = versions(schema_ids)?;
+    let version_of = |id: u32| vers.iter().find(|(k, _)| *k == id).map(|(_, v)| *v);
+    let (ix_lock, fence_lock) = (index.get().lock(), &fence.get().fence);
     let t0 = std::time::Instant::now();
     let mut t = Tally::default();
     let mut dead = vec![];
@@ -375,34 +416,89 @@ pub fn apply_poll<'py>(
     let n = records.len();
     let mut i = start;
     let value_attr = pyo3::intern!(py, "value");
+    let mut values: Vec<Bound<'py, PyBytes>> = Vec::with_capacity(CHUNK_RECORDS.min(n.saturating_sub(start)));
+    // Records taken per chunk: twice what the last one applied, so that a call whose budget
+    // ends after a few large records does not read hundreds of values for nothing.
+    let mut take = 16;
     while i < n {
-        let item = records.get_item(i)?;
-        let value = if item.is_instance_of::<PyBytes>() { item } else { item.getattr(value_attr)? };
-        let Ok(b) = value.cast::<PyBytes>() else {
-            return Ok(Poll { next: i, declined: true, tally: t, dead, seen });
-        };
-        let Ok(rec) = decode::decode_framed(b.as_bytes(), |id| version_of(schema_ids, id)) else {
-            return Ok(Poll { next: i, declined: true, tally: t, dead, seen });
-        };
-        let o = own(&rec, ix);
-        let mut evs = events(&rec, &o);
-        let s = stamp(&rec);
-        match apply_one(ix, f, &s, &mut evs, &mut t, now_us) {
-            Applied::Dead(kind, message) => {
-                // An overflowed record was fenced (its rank is known here); a malformed one was not.
-                if kind == DeadKind::Overflow && !seen.iter().any(|(a, d)| a == s.inst && *d == s.dp) {
-                    seen.push((s.inst.to_owned(), s.dp));
-                }
-                dead.push(DeadRecord { index: i, kind, message });
-            }
-            Applied::Skipped => {}
-            Applied::Ok => {
-                if !seen.iter().any(|(a, d)| a == s.inst && *d == s.dp) {
-                    seen.push((s.inst.to_owned(), s.dp));
+        values.clear();
+        let mut not_bytes = false;
+        for j in i..n.min(i + take) {
+            let item = records.get_item(j)?;
+            let value = if item.is_instance_of::<PyBytes>() { item } else { item.getattr(value_attr)? };
+            match value.cast_into::<PyBytes>() {
+                Ok(b) => values.push(b),
+                Err(_) => {
+                    not_bytes = true;
+                    break;
                 }
             }
         }
-        i += 1;
+        if values.is_empty() {
+            return Ok(Poll { next: i, declined: not_bytes, tally: t, dead, seen });
+        }
+        let bytes: Vec<&[u8]> = values.iter().map(|b| b.as_bytes()).collect();
+        let base = i;
+        let (tr, dr, sr) = (&mut t, &mut dead, &mut seen);
+        let stop = py.detach(|| {
+            let (t, dead, seen) = (tr, dr, sr);
+            let mut k = 0;
+            loop {
+                let mut fg = fence_lock.lock().unwrap_or_else(PoisonError::into_inner);
+                // Scores in flight end sooner than this thread would be woken once they did.
+                spin_then(|| ix_lock.try_write().is_ok(), || ());
+                let mut ixw = ix_lock.write().unwrap_or_else(PoisonError::into_inner);
+                let (ix, f) = (&mut *ixw, &mut *fg);
+                let q0 = std::time::Instant::now();
+                let quantum = budget_us.saturating_sub(t0.elapsed().as_micros() as u64).clamp(1, QUANTUM_US);
+                while k < bytes.len() {
+                    let Ok(rec) = decode::decode_framed(bytes[k], version_of) else {
+                        return Stop::Declined(k);
+                    };
+                    let o = own(&rec, ix);
+                    let mut evs = events(&rec, &o);
+                    let s = stamp(&rec);
+                    let applied = apply_one(ix, f, &s, &mut evs, t, now_us);
+                    let fenced = !matches!(applied, Applied::Skipped | Applied::Dead(DeadKind::Malformed, _));
+                    if fenced && !seen.iter().any(|(a, d)| a == s.inst && *d == s.dp) {
+                        // An overflowed record was fenced (its rank is known here); a malformed one was not.
+                        seen.push((s.inst.to_owned(), s.dp));
+                    }
+                    if let Applied::Dead(kind, message) = applied {
+                        dead.push(DeadRecord { index: base + k, kind, message });
+                    }
+                    k += 1;
+                    let ran = q0.elapsed().as_micros() as u64;
+                    if ran >= quantum || (ran >= QUANTUM_MIN_US && readers_waiting()) {
+                        break;
+                    }
+                }
+                drop(ixw);
+                drop(fg);
+                if k == bytes.len() {
+                    return Stop::Done;
+                }
+                if t0.elapsed().as_micros() as u64 >= budget_us {
+                    return Stop::Budget(k);
+                }
+                // The readers waiting take their locks before the next quantum does.
+                let w0 = std::time::Instant::now();
+                while readers_waiting() && w0.elapsed().as_micros() < 2_000 {
+                    std::thread::yield_now();
+                }
+            }
+        });
+        match stop {
+            Stop::Done => {
+                i += bytes.len();
+                take = (take * 2).min(CHUNK_RECORDS);
+            }
+            Stop::Budget(k) => {
+                i += k;
+                break;
+            }
+            Stop::Declined(k) => return Ok(Poll { next: i + k, declined: true, tally: t, dead, seen }),
+        }
         if t0.elapsed().as_micros() as u64 >= budget_us {
             break;
         }
@@ -426,8 +522,7 @@ pub struct EventsApplied {
 pub fn apply_events(index: &Bound<'_, PyIndex>, value: &[u8], atomic: bool) -> PyResult<EventsApplied> {
     let rec =
         decode::decode(value).map_err(|d| PyValueError::new_err(format!("not a record the core decodes: {d}")))?;
-    let ixg = index.borrow_mut();
-    let mut ixw = ixg.write(index.py());
+    let mut ixw = index.get().write(index.py());
     let ix = &mut *ixw;
     let o = own(&rec, ix);
     let evs = events(&rec, &o);
@@ -462,11 +557,28 @@ pub struct RankRow {
     pub model: String,
 }
 
-/// `kvwire.consumer.rank_state.RankTable`'s state, in Rust.
-#[pyclass(module = "kvwire._core", name = "Fence")]
+/// `kvwire.consumer.rank_state.RankTable`'s state, in Rust. Behind a lock of its own, which an
+/// apply quantum holds without the GIL (`apply_poll`), together with the index's.
+#[pyclass(module = "kvwire._core", name = "Fence", frozen)]
 #[derive(Default)]
 pub struct PyFence {
-    pub fence: Fence,
+    fence: Mutex<Fence>,
+}
+
+impl PyFence {
+    /// The fence; waits for an apply quantum in progress without the GIL.
+    pub fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Fence> {
+        let m = &self.fence;
+        acquire(
+            py,
+            || match m.try_lock() {
+                Ok(g) => Some(g),
+                Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            },
+            || spin_then(|| m.try_lock().is_ok(), || drop(m.lock())),
+        )
+    }
 }
 
 #[pymethods]
@@ -477,7 +589,7 @@ impl PyFence {
     }
 
     /// The verdict for one record (an `EventBatch`; its events are not read).
-    fn admit(&mut self, batch: &Bound<'_, PyAny>) -> PyResult<Verdict> {
+    fn admit(&self, batch: &Bound<'_, PyAny>) -> PyResult<Verdict> {
         let py = batch.py();
         let w = batch.getattr(pyo3::intern!(py, "worker"))?;
         let inst = w.getattr(pyo3::intern!(py, "instance_id"))?.cast_into::<PyString>()?;
@@ -496,51 +608,50 @@ impl PyFence {
             approximate: is_approximate(source.to_str()?),
             model: model.to_str()?,
         };
-        Ok(self.fence.admit(&stamp))
+        Ok(self.lock(py).admit(&stamp))
     }
 
     fn approximate_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
-        let this = wait_borrow(slf);
-        this.fence.approximate_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
+        let f = slf.get().lock(slf.py());
+        f.approximate_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
     fn worker_trusted(slf: &Bound<'_, Self>, inst: &str, dp: i64) -> bool {
-        let this = wait_borrow(slf);
-        this.fence.worker_trusted(inst, dp)
+        let f = slf.get().lock(slf.py());
+        f.worker_trusted(inst, dp)
     }
 
     fn untrusted_workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
-        let this = wait_borrow(slf);
-        this.fence.untrusted_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
+        let f = slf.get().lock(slf.py());
+        f.untrusted_workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
     fn workers(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
-        let this = wait_borrow(slf);
-        this.fence.workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
+        let f = slf.get().lock(slf.py());
+        f.workers().into_iter().map(|(i, d)| (i.to_owned(), d)).collect()
     }
 
     fn expired(slf: &Bound<'_, Self>, now_us: i64, timeout_us: i64) -> Vec<(String, i64, i64)> {
-        let this = wait_borrow(slf);
-        this.fence.expired(now_us, timeout_us)
+        let f = slf.get().lock(slf.py());
+        f.expired(now_us, timeout_us)
     }
 
-    fn forget(&mut self, inst: &str, dp: i64, tp_rank: i64) {
-        self.fence.forget(inst, dp, tp_rank);
+    fn forget(&self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+        self.lock(py).forget(inst, dp, tp_rank);
     }
 
-    fn forget_worker(&mut self, inst: &str, dp: i64) {
-        self.fence.forget_worker(inst, dp);
+    fn forget_worker(&self, py: Python<'_>, inst: &str, dp: i64) {
+        self.lock(py).forget_worker(inst, dp);
     }
 
-    fn state_known(&mut self, inst: &str, dp: i64, tp_rank: i64) {
-        self.fence.state_known(inst, dp, tp_rank);
+    fn state_known(&self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+        self.lock(py).state_known(inst, dp, tp_rank);
     }
 
     /// Every rank's state.
     fn ranks(slf: &Bound<'_, Self>) -> Vec<RankRow> {
-        let this = wait_borrow(slf);
-        this.fence
-            .all()
+        let f = slf.get().lock(slf.py());
+        f.all()
             .map(|(i, d, t, s)| RankRow {
                 instance_id: i.to_owned(),
                 dp_rank: d,
@@ -560,13 +671,13 @@ impl PyFence {
     }
 
     fn tp_sizes(slf: &Bound<'_, Self>) -> Vec<(String, i64, i64)> {
-        let this = wait_borrow(slf);
-        this.fence.tp_sizes().map(|(i, d, t)| (i.to_owned(), d, t)).collect()
+        let f = slf.get().lock(slf.py());
+        f.tp_sizes().map(|(i, d, t)| (i.to_owned(), d, t)).collect()
     }
 
     /// Install a rank's state as a snapshot recorded it (`rank_state.RankState`); of its
     /// retired epochs only the newest `RETIRED_EPOCHS` are kept.
-    fn restore(&mut self, rank: (String, i64, i64), tp_size: i64, state: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn restore(&self, rank: (String, i64, i64), tp_size: i64, state: &Bound<'_, PyAny>) -> PyResult<()> {
         let (inst, dp, tp_rank) = rank;
         let py = state.py();
         let mut retired = std::collections::VecDeque::new();
@@ -588,7 +699,7 @@ impl PyFence {
             approximate: state.getattr(pyo3::intern!(py, "approximate"))?.extract()?,
             model: state.getattr(pyo3::intern!(py, "model"))?.extract()?,
         };
-        self.fence.restore(&inst, dp, tp_rank, st, tp_size);
+        self.lock(py).restore(&inst, dp, tp_rank, st, tp_size);
         Ok(())
     }
 }
@@ -604,10 +715,10 @@ pub fn score_trusted<'py>(
     top_k: Option<usize>,
     as_json: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let (untrusted, approx) = {
-        let f = wait_borrow(fence);
-        (PyList::new(py, f.fence.untrusted_workers())?, PyList::new(py, f.fence.approximate_workers())?)
-    };
+    // The fence stays locked until the index is (`score_with`'s hold): both as of one record.
+    let f = fence.get().lock(py);
+    let tv = f.trust_view();
+    let (untrusted, approx) = (PyList::new(py, &tv.untrusted)?, PyList::new(py, &tv.approximate)?);
     let how = ScoreArgs {
         weights: None,
         workers: None,
@@ -617,7 +728,7 @@ pub fn score_trusted<'py>(
         as_json,
         media: None,
     };
-    PyIndex::score_with(index, queries, &how)
+    PyIndex::score_with(index, queries, &how, f)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

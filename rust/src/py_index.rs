@@ -5,7 +5,8 @@
 //! little-endian machine words (numpy reads them without a copy) and buffers
 //! (array('I'), numpy, bytes) are read in place.
 
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
@@ -60,28 +61,54 @@ pub(crate) fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) 
 
 /// The index, shared between its writers and scores that run without the GIL.
 ///
-/// How a reader sees a whole record or none: writers take the write lock inside one call
-/// and apply a record whole before they let it go. Two rules keep the lock from meeting
-/// the GIL in a deadlock: a writer that has to wait for readers waits without the GIL
-/// (`PyIndex::write`), and a reader takes its lock only under a shared borrow of the
-/// PyIndex, which a writer's exclusive borrow excludes, so under the GIL it never waits.
-/// A score then releases the GIL and walks the index under its read lock: it sees the
-/// index as it was between two write calls, and several scores run at once, beside
-/// ingest's Python work. The index lives behind the `Arc` (not inline in the Python object)
+/// How a reader sees a whole record or none: writers take the write lock (under an exclusive
+/// borrow of the PyIndex) and apply records whole before they let it go; `apply_poll` does so
+/// in quanta without the GIL. Two rules keep the lock from meeting the GIL in a deadlock: a
+/// writer that has to wait for readers waits without the GIL (`PyIndex::write`), and a reader
+/// takes its lock only under a shared borrow of the PyIndex, which a writer's exclusive borrow
+/// (held as long as its lock) excludes, so under the GIL it never waits. A score then releases the GIL and walks the index under its read lock: it sees the
+/// index as it was between two quanta, and several scores run at once, beside ingest's Python
+/// work and its quanta. The index lives behind the `Arc` (not inline in the Python object)
 /// so a reader holds it without holding a borrow of the Python object.
 type Shared = Arc<RwLock<Index>>;
 
-/// A shared borrow of a core object from a thread that may meet a write call in progress:
-/// an apply call holds its exclusive borrow while it runs Python code (a declined record's
-/// fallback, metrics), where the interpreter can switch to an HTTP thread. pyo3 would raise
-/// "Already mutably borrowed" there; the reader waits for the call to end instead.
-pub(crate) fn wait_borrow<'py, T: pyo3::PyClass>(slf: &Bound<'py, T>) -> PyRef<'py, T> {
-    loop {
-        match slf.try_borrow() {
-            Ok(b) => return b,
-            Err(_) => slf.py().detach(std::thread::yield_now),
+/// Readers (other threads) waiting for the index's read lock or the fence's lock: an apply
+/// call ends its quantum early and lets them in before its next one (`pipeline::apply_poll`).
+static READERS_WAITING: AtomicUsize = AtomicUsize::new(0);
+
+pub(crate) fn readers_waiting() -> bool {
+    READERS_WAITING.load(Ordering::Relaxed) != 0
+}
+
+/// Waits until `free()` (polled, yielding the CPU between polls, for up to ~200 us: a quantum
+/// or a score ends sooner than a sleeping thread is woken on a virtual machine), else `block()`.
+pub(crate) fn spin_then(free: impl Fn() -> bool, block: impl FnOnce()) {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_micros() < 200 {
+        if free() {
+            return;
         }
+        std::thread::yield_now();
     }
+    block();
+}
+
+/// `try_lock` under the GIL, and while it would block, a wait without the GIL (announced in
+/// `READERS_WAITING`): the holder is an apply quantum or a score, which never needs the GIL
+/// to let go, and whatever else wants the GIL meanwhile gets it.
+pub(crate) fn acquire<G>(py: Python<'_>, mut try_lock: impl FnMut() -> Option<G>, wait: impl Fn() + Send + Sync) -> G {
+    if let Some(g) = try_lock() {
+        return g;
+    }
+    READERS_WAITING.fetch_add(1, Ordering::Relaxed);
+    let g = loop {
+        if let Some(g) = try_lock() {
+            break g;
+        }
+        py.detach(&wait);
+    };
+    READERS_WAITING.fetch_sub(1, Ordering::Relaxed);
+    g
 }
 
 /// One score query, as Python builds it (`consumer.index.PrefixIndex`): token ids, hashed
@@ -107,7 +134,7 @@ pub struct ScoreArgs<'a, 'py> {
     pub media: Option<&'a Bound<'py, PyAny>>,
 }
 
-#[pyclass(module = "kvwire._core", name = "Index")]
+#[pyclass(module = "kvwire._core", name = "Index", frozen)]
 pub struct PyIndex {
     ix: Shared,
     weights: std::collections::HashMap<String, f64>,
@@ -115,9 +142,8 @@ pub struct PyIndex {
 }
 
 impl PyIndex {
-    /// The index to change. Only under the exclusive borrow of the PyIndex (so no reader can
-    /// start meanwhile); waits for the running scores without the GIL, which they may need
-    /// to finish.
+    /// The index to change; waits for the running scores without the GIL, which they may
+    /// need to finish.
     pub fn write(&self, py: Python<'_>) -> RwLockWriteGuard<'_, Index> {
         loop {
             match self.ix.try_write() {
@@ -131,9 +157,23 @@ impl PyIndex {
         }
     }
 
-    /// The index to read. Only under a borrow of the PyIndex: no writer holds the lock then.
-    pub fn read(&self) -> RwLockReadGuard<'_, Index> {
-        self.ix.read().unwrap_or_else(PoisonError::into_inner)
+    /// The index to read; waits for an apply quantum in progress without the GIL.
+    pub fn read(&self, py: Python<'_>) -> RwLockReadGuard<'_, Index> {
+        let lock: &RwLock<Index> = &self.ix;
+        acquire(
+            py,
+            || match lock.try_read() {
+                Ok(g) => Some(g),
+                Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+                Err(TryLockError::WouldBlock) => None,
+            },
+            || spin_then(|| lock.try_read().is_ok(), || drop(lock.read())),
+        )
+    }
+
+    /// The lock itself, for a writer that holds it without the GIL (`pipeline::apply_poll`).
+    pub(crate) fn lock(&self) -> &RwLock<Index> {
+        &self.ix
     }
 
     /// Per medium id: its weight, or `index::EXCLUDED` for a medium outside `media`.
@@ -330,10 +370,11 @@ pub fn scores_json(ix: &Index, s: &Scores, approx: Option<&[bool]>) -> String {
 
 impl PyIndex {
     /// `score`'s work, also for `score_trusted`, which marks approximate workers.
-    pub fn score_with<'py>(
+    pub fn score_with<'py, H>(
         slf: &Bound<'py, Self>,
         queries: &Bound<'py, PyList>,
         how: &ScoreArgs<'_, 'py>,
+        hold: H,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let ScoreArgs { weights, workers, exclude, approximate, top_k, as_json, media } = *how;
@@ -384,33 +425,29 @@ impl PyIndex {
                 qs.push(Query::Keys { keys: words[i].as_deref().unwrap_or(&[]), scale: n });
             }
         }
-        // Weights, mask and the read lock in one GIL-held step: they see the same index
-        // the walk will.
-        let (wts, mask, approx, shared) = {
-            let this = wait_borrow(slf);
-            let ix = this.read();
-            let wts = this.weights_for(&ix, weights, media)?;
-            let mut mask = match workers {
-                Some(w) => Some(Self::mask(&ix, w, true)?),
-                None => None,
-            };
-            if let Some(x) = exclude {
-                let ex = Self::mask(&ix, x, false)?;
-                mask = Some(match mask {
-                    Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
-                    None => ex,
-                });
-            }
-            let approx = match approximate {
-                Some(a) => Some(Self::mask(&ix, a, true)?),
-                None => None,
-            };
-            (wts, mask, approx, Arc::clone(&this.ix))
-        };
-        // Taken before the borrow above ends would do as well: no Python code runs in between,
-        // so no writer can.
-        let reader = shared.read().unwrap_or_else(PoisonError::into_inner);
+        // Weights and mask under the read lock the walk then keeps: they see the same index.
+        let this = slf.get();
+        let reader = this.read(py);
+        // The caller's hold (the fence, for scores of trusted workers) ends once the index is
+        // read-locked: the fence and the index are then of the same record.
+        drop(hold);
         let ix: &Index = &reader;
+        let wts = this.weights_for(ix, weights, media)?;
+        let mut mask = match workers {
+            Some(w) => Some(Self::mask(ix, w, true)?),
+            None => None,
+        };
+        if let Some(x) = exclude {
+            let ex = Self::mask(ix, x, false)?;
+            mask = Some(match mask {
+                Some(m) => m.iter().zip(ex).map(|(a, b)| *a && b).collect(),
+                None => ex,
+            });
+        }
+        let approx = match approximate {
+            Some(a) => Some(Self::mask(ix, a, true)?),
+            None => None,
+        };
         let (s, json) = py.detach(|| {
             let s = ix.score(&qs, &wts, mask.as_deref(), top_k);
             let json = if as_json { Some(scores_json(ix, &s, approx.as_deref())) } else { None };
@@ -447,15 +484,15 @@ impl PyIndex {
         PyIndex { ix: Arc::new(RwLock::new(ix)), weights, default_weight }
     }
 
-    fn clear(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+    fn clear(&self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
         self.write(py).clear_rank(inst, dp, tp_rank, false);
     }
 
-    fn drop_rank(&mut self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
+    fn drop_rank(&self, py: Python<'_>, inst: &str, dp: i64, tp_rank: i64) {
         self.write(py).drop_rank(inst, dp, tp_rank);
     }
 
-    fn drop_worker(&mut self, py: Python<'_>, inst: &str, dp: i64) {
+    fn drop_worker(&self, py: Python<'_>, inst: &str, dp: i64) {
         self.write(py).drop_worker(inst, dp);
     }
 
@@ -472,7 +509,7 @@ impl PyIndex {
         as_json: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
         let how = ScoreArgs { weights, workers, exclude, approximate: None, top_k, as_json, media: None };
-        Self::score_with(slf, queries, &how)
+        Self::score_with(slf, queries, &how, ())
     }
 
     /// `score` counting only the blocks that `media` hold (a tier's view: Dynamo's cumulative
@@ -494,26 +531,26 @@ impl PyIndex {
             as_json: false,
             media: Some(media),
         };
-        Self::score_with(slf, queries, &how)
+        Self::score_with(slf, queries, &how, ())
     }
 
     /// (instance_id, dp_rank) of every worker id ever seen, by id.
     fn worker_names(slf: &Bound<'_, Self>) -> Vec<(String, i64)> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.workers.iter().map(|w| (w.inst.clone(), w.dp)).collect()
     }
 
     fn media(slf: &Bound<'_, Self>) -> Vec<String> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.media.clone()
     }
 
     /// (instance_id, dp_rank, medium) of every wm, by id.
     fn wm_names(slf: &Bound<'_, Self>) -> Vec<(String, i64, String)> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         (0..ix.wm_worker.len())
             .map(|wm| {
                 let w = &ix.workers[ix.wm_worker[wm] as usize];
@@ -523,8 +560,8 @@ impl PyIndex {
     }
 
     fn stats(slf: &Bound<'_, Self>) -> Vec<StatsRow> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.stats()
             .into_iter()
             .map(|s| StatsRow {
@@ -543,8 +580,8 @@ impl PyIndex {
 
     /// (wm ids, keys) of every holder-block, as u32 and u64 bytes.
     fn holder_keys<'py>(slf: &Bound<'py, Self>, py: Python<'py>) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         let mut wms: Vec<u8> = vec![];
         let mut ks = vec![];
         ix.holder_keys(|k, wm| {
@@ -565,8 +602,8 @@ impl PyIndex {
         keys: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
         let ks = words_u64(RawBuf::get(keys)?.bytes());
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         let rows = ix.worker_holding(inst, dp, &ks);
         let idx: Vec<u8> = rows.iter().flat_map(|x| x.0.to_le_bytes()).collect();
         let med: Vec<u8> = rows.iter().flat_map(|x| x.1.to_le_bytes()).collect();
@@ -586,8 +623,8 @@ impl PyIndex {
         inst: &str,
         dp: i64,
     ) -> (Bound<'py, PyBytes>, Bound<'py, PyBytes>, Bound<'py, PyBytes>) {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         let held = ix.worker_held(inst, dp);
         let med: Vec<u8> = held.iter().flat_map(|x| x.1.to_le_bytes()).collect();
         (
@@ -598,37 +635,37 @@ impl PyIndex {
     }
 
     fn __len__(slf: &Bound<'_, Self>) -> usize {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.holder_blocks()
     }
 
     fn entries(slf: &Bound<'_, Self>) -> i64 {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.entries()
     }
 
     /// Cleared tables whose slots are not yet swept, and their entries.
     fn unswept(slf: &Bound<'_, Self>) -> (usize, i64) {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.unswept()
     }
 
     fn nbytes(slf: &Bound<'_, Self>) -> usize {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.nbytes()
     }
 
     fn block_sizes(slf: &Bound<'_, Self>) -> Vec<i64> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.block_sizes.iter().copied().collect()
     }
 
-    fn add_block_sizes(&mut self, py: Python<'_>, sizes: Vec<i64>) {
+    fn add_block_sizes(&self, py: Python<'_>, sizes: Vec<i64>) {
         let mut ix = self.write(py);
         for b in sizes {
             ix.add_block_size(b);
@@ -637,8 +674,8 @@ impl PyIndex {
 
     /// The KV-cache groups of these workers and what each needs.
     fn export_groups(slf: &Bound<'_, Self>, workers: Vec<(String, i64)>) -> Vec<GroupReach> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         let mut out = vec![];
         for (inst, dp) in workers {
             if let Some(w) = ix.worker_id(&inst, dp) {
@@ -655,21 +692,21 @@ impl PyIndex {
     }
 
     /// Install a group's reach from a snapshot (tail 0: every block).
-    fn import_group(&mut self, py: Python<'_>, inst: &str, dp: i64, group: i64, tail: u32) {
+    fn import_group(&self, py: Python<'_>, inst: &str, dp: i64, group: i64, tail: u32) {
         let reach = if tail == 0 { crate::index::Reach::Full } else { crate::index::Reach::Tail(tail) };
         self.write(py).set_group(inst, dp, group, reach);
     }
 
     fn has_blocks(slf: &Bound<'_, Self>) -> bool {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         ix.s.count > 0
     }
 
     /// (sum, count) over holder-blocks of xxh3(key, seeds[wm]) where seeds[wm] != 0.
     fn digest(slf: &Bound<'_, Self>, seeds: &Bound<'_, PyAny>) -> PyResult<(u64, u64)> {
-        let this = wait_borrow(slf);
-        let ix = this.read();
+        let this = slf.get();
+        let ix = this.read(slf.py());
         let s = words_u64(RawBuf::get(seeds)?.bytes());
         if s.len() < ix.wm_worker.len() {
             return Err(PyValueError::new_err("one seed per wm"));
@@ -679,7 +716,7 @@ impl PyIndex {
 
     /// The tables of these workers, in their order (ranks, then tables).
     fn export_workers(&self, py: Python<'_>, workers: Vec<(String, i64)>) -> PyResult<Exported> {
-        let ix = self.read();
+        let ix = self.read(py);
         let mut tables = vec![];
         let (mut ehs, mut ks, mut ms): (Vec<u8>, Vec<u8>, Vec<u8>) = (vec![], vec![], vec![]);
         let mut memos = vec![];
@@ -737,7 +774,7 @@ impl PyIndex {
     // One argument per field of a blob header's memo row and per array, as `import_table`.
     #[allow(clippy::too_many_arguments)]
     fn import_memo(
-        &mut self,
+        &self,
         py: Python<'_>,
         inst: &str,
         dp: i64,
@@ -762,7 +799,7 @@ impl PyIndex {
     // One argument per field of a blob header's table row, which Python reads and checks.
     #[allow(clippy::too_many_arguments)]
     fn import_table(
-        &mut self,
+        &self,
         py: Python<'_>,
         inst: &str,
         dp: i64,
