@@ -8,9 +8,9 @@ the seq asked for). Batches are decoded with vLLM's ``KVEventBatch`` decoder (vl
 is a router's: per (medium, group) the set of block hashes stored and not removed since the
 last clear. It also checks the stream's promises as it goes: seqs contiguous after a replay, a
 store's parent already held (parents before children), no removal of a block whose child is
-still held (children before parents), on live batches and on every frame of a replay. It keeps
-what each replay stored (``replay_stored``): a replay answered with the worker's current state
-stores nothing the stream does not hold at the replay's end."""
+still held (children before parents), on a replay's first frame and on live batches after the
+first one past a replay. It keeps what each replay stored (``replay_stored``): a replay answered
+with the worker's current state stores nothing the stream does not hold at the replay's end."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ class StreamClient:
                 self._replay(self.next_seq or 0)
                 if seq < (self.next_seq or 0):
                     continue  # the replay answered with history up to and past it
-                self._apply(seq, payload, replayed=True)
+                self._apply(seq, payload, replayed=True, check=False)
                 continue
             if seq < self.next_seq:
                 continue
@@ -91,7 +91,7 @@ class StreamClient:
                 self.violations.append(f"replay topic {topic!r}")
             if first and seq != start:
                 self.violations.append(f"replay from {start} answered from seq {seq}")
-            self._apply(seq, payload, replayed=True)
+            self._apply(seq, payload, replayed=True, check=first)
             first = False
 
     def _apply(self, seq: int, payload: bytes, replayed: bool = False, check: bool = True) -> None:
