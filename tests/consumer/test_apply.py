@@ -80,6 +80,7 @@ def test_scores_from_other_threads_run_beside_apply_calls():
     for i in range(1, n):
         ev = stored([i + 1], tokens[16 * i : 16 * (i + 1)], 16, parent_block_hash=i)
         values.append(codec.encode(EventBatch(W, 1, i, 0, (ev,))))
+
     class Rec:
         def __init__(self, offset: int, value: bytes) -> None:
             self.offset, self.key, self.value, self.timestamp = offset, b"w/0", value, 0
