@@ -223,10 +223,18 @@ def summarize(res: dict, errors: dict) -> dict:
             f"{r8.get('cpu_time', {}).get('top16', {}).get('p99')} us (wall p99 includes preemption)"
         )
         if ui:
+            where = ui.get("scores_from", "the ingest loop")
             notes["score_p99_us_under_ingest"] = (
-                f"same query, top 16, JSON, while the loop applies {ui['applied_blocks_per_s']:,} blocks/s "
-                f"(offered {ui['offered_blocks_per_s']:,.0f}) in {ui['slice_budget_us']} us slices"
+                f"same query, top 16, JSON, from {where}, while the ingest loop applies "
+                f"{ui['applied_blocks_per_s']:,} blocks/s (offered {ui['offered_blocks_per_s']:,.0f}) in "
+                f"{ui['slice_budget_us']} us slices; p50 {ui['latency_us']['p50']} us"
             )
+            same = row.get("under_ingest_same_loop")
+            if same:
+                notes["score_p99_us_under_ingest"] += (
+                    f"; with the queries on the ingest loop itself p99 {same['latency_us']['p99']} us "
+                    f"({same['applied_blocks_per_s']:,} blocks/s applied)"
+                )
     else:
         missing(sk, "score_latency")
     fs = (sc or {}).get("first_score")
