@@ -33,13 +33,13 @@ use std::borrow::Cow;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
-use std::sync::{Mutex, MutexGuard, PoisonError, TryLockError};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict, RETIRED_EPOCHS};
 use crate::index::{ApplyError, Ev, Index, RankId, Store};
 use crate::keys::{self, Key};
-use crate::py_index::{acquire, readers_waiting, spin_then, PyIndex, ScoreArgs};
+use crate::py_index::{acquire, held, readers_waiting, spin_then, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// What an overflowed record's dead letter says after its kind.
@@ -569,15 +569,7 @@ impl PyFence {
     /// The fence; waits for an apply quantum in progress without the GIL.
     pub fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Fence> {
         let m = &self.fence;
-        acquire(
-            py,
-            || match m.try_lock() {
-                Ok(g) => Some(g),
-                Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
-                Err(TryLockError::WouldBlock) => None,
-            },
-            || spin_then(|| m.try_lock().is_ok(), || drop(m.lock())),
-        )
+        acquire(py, || held(m.try_lock()), || spin_then(|| m.try_lock().is_ok(), || drop(m.lock())))
     }
 }
 

@@ -6,7 +6,7 @@
 //! (array('I'), numpy, bytes) are read in place.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError, TryLockResult};
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
@@ -93,6 +93,16 @@ pub(crate) fn spin_then(free: impl Fn() -> bool, block: impl FnOnce()) {
     block();
 }
 
+/// A lock's guard if `try_*` took it (a poisoned one's too, as everywhere in the core: a
+/// panic is a bug, and refusing every later call would not undo it), None if it would block.
+pub(crate) fn held<G>(r: TryLockResult<G>) -> Option<G> {
+    match r {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
 /// `try_lock` under the GIL, and while it would block, a wait without the GIL (announced in
 /// `READERS_WAITING`): the holder is an apply quantum or a score, which never needs the GIL
 /// to let go, and whatever else wants the GIL meanwhile gets it.
@@ -160,15 +170,7 @@ impl PyIndex {
     /// The index to read; waits for an apply quantum in progress without the GIL.
     pub fn read(&self, py: Python<'_>) -> RwLockReadGuard<'_, Index> {
         let lock: &RwLock<Index> = &self.ix;
-        acquire(
-            py,
-            || match lock.try_read() {
-                Ok(g) => Some(g),
-                Err(TryLockError::Poisoned(e)) => Some(e.into_inner()),
-                Err(TryLockError::WouldBlock) => None,
-            },
-            || spin_then(|| lock.try_read().is_ok(), || drop(lock.read())),
-        )
+        acquire(py, || held(lock.try_read()), || spin_then(|| lock.try_read().is_ok(), || drop(lock.read())))
     }
 
     /// The lock itself, for a writer that holds it without the GIL (`pipeline::apply_poll`).
