@@ -19,7 +19,7 @@
 //! record applied). A worker is trusted when all its `tp_size` ranks are.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 
@@ -102,7 +102,7 @@ pub struct Fence {
     gen: u64,
     /// The latest `TrustView` and the `gen` it was made at: every score reads it, and it
     /// changes far less often than records arrive.
-    view: Mutex<Option<(u64, Arc<TrustView>)>>,
+    view: Option<(u64, Arc<TrustView>)>,
 }
 
 /// The workers a score leaves out (untrusted) and marks (approximate).
@@ -312,9 +312,8 @@ impl Fence {
 
     /// The untrusted and approximate workers, made again only after something they depend on
     /// changed.
-    pub fn trust_view(&self) -> Arc<TrustView> {
-        let mut v = self.view.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some((g, tv)) = &*v {
+    pub fn trust_view(&mut self) -> Arc<TrustView> {
+        if let Some((g, tv)) = &self.view {
             if *g == self.gen {
                 return Arc::clone(tv);
             }
@@ -324,7 +323,7 @@ impl Fence {
             untrusted: own(self.untrusted_workers()),
             approximate: own(self.approximate_workers()),
         });
-        *v = Some((self.gen, Arc::clone(&tv)));
+        self.view = Some((self.gen, Arc::clone(&tv)));
         tv
     }
 

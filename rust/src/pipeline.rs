@@ -39,7 +39,7 @@ use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict, RETIRED_EPOCHS};
 use crate::index::{ApplyError, Ev, Index, RankId, Store};
 use crate::keys::{self, Key};
-use crate::py_index::{acquire, held, readers_waiting, spin_then, PyIndex, ScoreArgs};
+use crate::py_index::{acquire, held, readers_waiting, spin_for, spin_then, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// What an overflowed record's dead letter says after its kind.
@@ -352,7 +352,7 @@ pub fn is_approximate(source: &str) -> bool {
 
 /// A registry id's shipped writer version, from `codec.SchemaIds.shipped()` ({id: version}),
 /// read once per call so that decoding needs no Python.
-fn versions(schema_ids: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(u32, u32)>> {
+fn versions(schema_ids: Option<&Bound<'_, PyDict>>) -> Vec<(u32, u32)> {
     let mut out = vec![];
     if let Some(d) = schema_ids {
         for (k, v) in d.iter() {
@@ -361,7 +361,7 @@ fn versions(schema_ids: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<(u32, u32)>>
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// How long one quantum of `apply_poll` holds the index and the fence: what a score arriving
@@ -406,7 +406,7 @@ pub fn apply_poll<'py>(
     schema_ids: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Poll> {
     let py = index.py();
-    let vers = versions(schema_ids)?;
+    let vers = versions(schema_ids);
     let version_of = |id: u32| vers.iter().find(|(k, _)| *k == id).map(|(_, v)| *v);
     let (ix_lock, fence_lock) = (index.get().lock(), &fence.get().fence);
     let t0 = std::time::Instant::now();
@@ -446,8 +446,8 @@ pub fn apply_poll<'py>(
             loop {
                 let mut fg = fence_lock.lock().unwrap_or_else(PoisonError::into_inner);
                 // Scores in flight end sooner than this thread would be woken once they did.
-                spin_then(|| ix_lock.try_write().is_ok(), || ());
-                let mut ixw = ix_lock.write().unwrap_or_else(PoisonError::into_inner);
+                let mut ixw = spin_for(|| held(ix_lock.try_write()))
+                    .unwrap_or_else(|| ix_lock.write().unwrap_or_else(PoisonError::into_inner));
                 let (ix, f) = (&mut *ixw, &mut *fg);
                 let q0 = std::time::Instant::now();
                 let quantum = budget_us.saturating_sub(t0.elapsed().as_micros() as u64).clamp(1, QUANTUM_US);
@@ -708,7 +708,7 @@ pub fn score_trusted<'py>(
     as_json: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     // The fence stays locked until the index is (`score_with`'s hold): both as of one record.
-    let f = fence.get().lock(py);
+    let mut f = fence.get().lock(py);
     let tv = f.trust_view();
     let (untrusted, approx) = (PyList::new(py, &tv.untrusted)?, PyList::new(py, &tv.approximate)?);
     let how = ScoreArgs {

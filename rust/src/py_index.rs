@@ -83,14 +83,21 @@ pub(crate) fn readers_waiting() -> bool {
 /// Waits until `free()` (polled, yielding the CPU between polls, for up to ~200 us: a quantum
 /// or a score ends sooner than a sleeping thread is woken on a virtual machine), else `block()`.
 pub(crate) fn spin_then(free: impl Fn() -> bool, block: impl FnOnce()) {
+    if spin_for(|| free().then_some(())).is_none() {
+        block();
+    }
+}
+
+/// `take()`'s first `Some`, polled as `spin_then` polls; None after ~200 us.
+pub(crate) fn spin_for<G>(mut take: impl FnMut() -> Option<G>) -> Option<G> {
     let t0 = std::time::Instant::now();
     while t0.elapsed().as_micros() < 200 {
-        if free() {
-            return;
+        if let Some(g) = take() {
+            return Some(g);
         }
         std::thread::yield_now();
     }
-    block();
+    None
 }
 
 /// A lock's guard if `try_*` took it (a poisoned one's too, as everywhere in the core: a
