@@ -245,21 +245,36 @@ impl Index {
         // Best first: the weighted score, then the matched tokens, then the name. Each hit gets
         // that order as plain integers once, so the sort compares words instead of chasing three
         // arrays per comparison (a shared prompt matches hundreds of workers).
-        let mut hits: Vec<(u64, u64, u32, u32)> = (0..nw)
-            .filter(|&w| best_run[w] > 0)
-            .map(|w| (!score_order(best_score[w]), !(best_run[w] as u64), nr[w], w as u32))
-            .collect();
-        if let Some(k) = top_k {
-            if k < hits.len() {
+        let key = |w: usize| (!score_order(best_score[w]), !(best_run[w] as u64), nr[w], w as u32);
+        let n_hits = best_run.iter().filter(|&&r| r > 0).count();
+        let hits: Vec<(u64, u64, u32, u32)> = match top_k {
+            Some(k) if k < n_hits => {
+                let mut hits: Vec<_> = (0..nw).filter(|&w| best_run[w] > 0).map(key).collect();
                 if k == 0 {
                     hits.clear();
                 } else {
                     hits.select_nth_unstable(k - 1);
                     hits.truncate(k);
                 }
+                hits.sort_unstable();
+                hits
             }
-        }
-        hits.sort_unstable();
+            _ => {
+                // Every hit: taken in name order (names rank 0..nw, one each), then sorted stably
+                // by score and matched tokens. Hits mostly tie (a shared prompt matches hundreds
+                // of workers equally), and a stable sort passes over a tied run once, where a
+                // comparison sort of the whole tuple costs n log n.
+                let mut by_name = vec![u32::MAX; nw];
+                for w in 0..nw {
+                    if best_run[w] > 0 {
+                        by_name[nr[w] as usize] = w as u32;
+                    }
+                }
+                let mut hits: Vec<_> = by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)).collect();
+                hits.sort_by_key(|h| (h.0, h.1));
+                hits
+            }
+        };
         out.worker.reserve(hits.len());
         out.matched.reserve(hits.len());
         out.score.reserve(hits.len());
