@@ -816,7 +816,7 @@ impl STable {
         }
     }
 
-    /// Start loading the first cache line of `key`'s probe run. A score walk
+    /// Start loading the first two cache lines of `key`'s probe run. A score walk
     /// over a table much larger than the cache waits on one miss per block;
     /// asked a few blocks ahead, those misses overlap. A hint only: it
     /// changes no state.
@@ -829,7 +829,11 @@ impl STable {
         // SAFETY: j < cap == key.len() == meta.len(); a prefetch reads nothing observable.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(s.slot.as_ptr().add(j) as *const i8);
+            // And the line after: a key displaced from its home, or a walk past its last
+            // slot to the first slot homed after it, reads on into the next line.
+            let p = s.slot.as_ptr().add(j) as *const i8;
+            _mm_prefetch::<_MM_HINT_T0>(p);
+            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = j;
