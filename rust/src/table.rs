@@ -298,6 +298,9 @@ pub struct SShard {
 
 pub const S_SHARD_BITS: u32 = 12;
 
+/// Slots from its home that a score probe compares at once (`STable::holders_fast`).
+const WINDOW: usize = 4;
+
 /// Slots `run_start` reads one by one before it gallops.
 const LINEAR_STEPS: usize = 4;
 
@@ -498,6 +501,15 @@ pub struct STable {
     /// AllBlocksCleared then costs O(1) slots instead of one delete per block
     /// (100 ms per million), and the deletes happen later in bounded sweeps.
     dead: Dead,
+}
+
+/// A key's mixed hash, shard and home slot: what `STable::probe` computes once
+/// for `prefetch` and `holders_fast` both.
+#[derive(Clone, Copy, Default)]
+pub struct Probe {
+    pub h: u64,
+    shard: u32,
+    home: u32,
 }
 
 /// A bitset of rms, with its population (readers skip the test while it is 0).
@@ -816,39 +828,77 @@ impl STable {
         }
     }
 
-    /// Start loading the first two cache lines of `key`'s probe run. A score walk
+    /// Where `key`'s probe starts. A score walk computes it once per block, when it
+    /// prefetches the block's slots, and reads the slots from it later.
+    #[inline(always)]
+    pub fn probe(&self, key: u64) -> Probe {
+        let h = mix(key);
+        let shard = s_shard(h);
+        Probe { h, shard: shard as u32, home: home(h, self.shards[shard].slot.len()) as u32 }
+    }
+
+    /// Start loading the first two cache lines of a probe run. A score walk
     /// over a table much larger than the cache waits on one miss per block;
     /// asked a few blocks ahead, those misses overlap. A hint only: it
     /// changes no state.
-    #[inline]
-    pub fn prefetch(&self, key: u64) {
-        let h = mix(key);
-        let s = &self.shards[s_shard(h)];
-        let j = home(h, s.slot.len());
+    #[inline(always)]
+    pub fn prefetch(&self, p: Probe) {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: j < cap == key.len() == meta.len(); a prefetch reads nothing observable.
+        // SAFETY: p.home < cap (same table, read-locked since `probe`); a prefetch reads
+        // nothing observable and never faults, so the line after may pass the end.
         unsafe {
             use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
             // And the line after: a key displaced from its home, or a walk past its last
             // slot to the first slot homed after it, reads on into the next line.
-            let p = s.slot.as_ptr().add(j) as *const i8;
-            _mm_prefetch::<_MM_HINT_T0>(p);
-            _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64));
+            let at = self.shards[p.shard as usize].slot.as_ptr().add(p.home as usize) as *const i8;
+            _mm_prefetch::<_MM_HINT_T0>(at);
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64));
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = j;
+        let _ = p;
     }
 
-    /// Holders of `key` for the score walk: `f(rm)` for each slot of the key,
-    /// without bounds checks (the walk visits every holder of every matched
-    /// block). Same stop rule as `SShard::slots_of`.
+    /// Holders of a probed key for the score walk: `f(rm)` for each slot of the
+    /// key, without bounds checks (the walk visits every holder of every matched
+    /// block). Same stop rule as `SShard::slots_of`. Stops early, returning false,
+    /// once `limit` slots of the key were seen (dead ones too): a key with that many
+    /// may have a holder set that says the same in a few words.
     #[inline(always)]
-    pub fn holders_fast(&self, key: u64, mut f: impl FnMut(usize)) {
-        let h = mix(key);
-        let s = &self.shards[s_shard(h)];
+    pub fn holders_fast(&self, p: Probe, limit: u32, mut f: impl FnMut(usize)) -> bool {
+        let h = p.h;
+        let s = &self.shards[p.shard as usize];
         let cap = s.slot.len();
         let slots = s.slot.as_ptr();
-        let hk = home(h, cap);
+        let hk = p.home as usize;
+        let mut seen = 0u32;
+        // Most keys have one slot or a few, within a few slots of their home: compare a
+        // window of slots at once, without a branch per slot (the walk is bound by branch
+        // misses when its slots are in cache). The window holds every slot of the key when
+        // the slot after it is empty or homed after the key's home (Robin Hood order: a
+        // cluster is sorted by home). Else the general scan below.
+        if hk + WINDOW < cap {
+            let mut mask = 0u32;
+            for t in 0..WINDOW {
+                let x = &s.slot[hk + t];
+                mask |= ((x.h == h) as u32 & (x.meta != 0) as u32) << t;
+            }
+            // Homed after hk: displaced less than its distance from hk (a cluster may wrap
+            // past the table's end, so homes are compared by displacement, not by value).
+            if s.slot[hk + WINDOW].meta == 0 || s.disp(hk + WINDOW, cap) < WINDOW {
+                while mask != 0 {
+                    if seen == limit {
+                        return false;
+                    }
+                    seen += 1;
+                    let rm = rm_of(s.slot[hk + mask.trailing_zeros() as usize].meta);
+                    if !self.dead.has(rm) {
+                        f(rm);
+                    }
+                    mask &= mask - 1;
+                }
+                return true;
+            }
+        }
         // Most keys sit at their home: nothing homed before them to step over.
         let (mut j, mut d) = if s.slot[hk].h == h { (hk, 0) } else { s.run_start(hk, cap) };
         // SAFETY: j < cap == key.len() == meta.len(), and the table always has an empty slot.
@@ -860,6 +910,10 @@ impl STable {
                 }
                 let k = (*slots.add(j)).h;
                 if k == h {
+                    if seen == limit {
+                        return false;
+                    }
+                    seen += 1;
                     let rm = ((m >> CNT_BITS) - 1) as usize;
                     if !self.dead.has(rm) {
                         f(rm);
@@ -877,6 +931,7 @@ impl STable {
                 d += 1;
             }
         }
+        true
     }
 
     /// Holders of `key`: calls `f(rm)` for each slot of the key.
@@ -997,13 +1052,18 @@ mod tests {
             let mut got = vec![];
             t.holders(*k, |rm| got.push(rm));
             let mut fast = vec![];
-            t.holders_fast(*k, |rm| fast.push(rm as u32));
+            assert!(t.holders_fast(t.probe(*k), u32::MAX, |rm| fast.push(rm as u32)));
             got.sort_unstable();
             fast.sort_unstable();
             let mut want = by_key.get(k).cloned().unwrap_or_default();
             want.sort_unstable();
             assert_eq!(got, want);
             assert_eq!(fast, want);
+            // With a limit, the walk stops at the slot past it, having seen the first `limit`.
+            let mut first = vec![];
+            let complete = t.holders_fast(t.probe(*k), 2, |rm| first.push(rm as u32));
+            assert_eq!(complete, want.len() <= 2);
+            assert_eq!(first.len(), want.len().min(2));
         }
         for (&(k, rm), &c) in &model {
             assert_eq!(t.at_ceiling(k, rm), c == CNT_MASK);

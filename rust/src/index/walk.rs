@@ -4,7 +4,7 @@
 
 use super::{Index, Query, Scores};
 use crate::keys::{block_key_le, ROOT};
-use crate::table::STable;
+use crate::table::{Probe, STable};
 
 /// A score as an integer in the same order (f64 total order, -0.0 counted as 0.0, as the
 /// comparison of the numbers has it).
@@ -33,23 +33,24 @@ const AHEAD: usize = 8;
 const RING: usize = 16;
 
 /// A query's block keys in walk order, each computed `AHEAD` blocks before the
-/// walk reads it, with its S slots prefetched then.
+/// walk reads it, with its S slots prefetched then (and its probe kept, so the
+/// walk does not compute it twice).
 struct KeysAhead<'a, 'q> {
     q: &'a Query<'q>,
     n: usize,
-    ring: [u64; RING],
+    ring: [(u64, Probe); RING],
     done: usize,
     last: u64,
 }
 
 impl<'a, 'q> KeysAhead<'a, 'q> {
     fn new(q: &'a Query<'q>, n: usize) -> Self {
-        KeysAhead { q, n, ring: [0; RING], done: 0, last: ROOT }
+        KeysAhead { q, n, ring: [(0, Probe::default()); RING], done: 0, last: ROOT }
     }
 
-    /// Key of block `i`; blocks are asked for in order, 0, 1, 2, ...
+    /// Key of block `i` and its probe; blocks are asked for in order, 0, 1, 2, ...
     #[inline]
-    fn at(&mut self, i: usize, s: &STable) -> u64 {
+    fn at(&mut self, i: usize, s: &STable) -> (u64, Probe) {
         let until = self.n.min(i + AHEAD + 1);
         while self.done < until {
             let b = self.done;
@@ -60,8 +61,9 @@ impl<'a, 'q> KeysAhead<'a, 'q> {
                 Query::Keys { keys, .. } => keys[b],
             };
             self.last = key;
-            self.ring[b % RING] = key;
-            s.prefetch(key);
+            let p = s.probe(key);
+            s.prefetch(p);
+            self.ring[b % RING] = (key, p);
             self.done += 1;
         }
         self.ring[i % RING]
@@ -131,7 +133,7 @@ impl Index {
             }
             let mut ks = KeysAhead::new(q, n);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
-                let key = ks.at(i, &self.s);
+                let (key, probe) = ks.at(i, &self.s);
                 touched.clear();
                 wtouched.clear();
                 let iu = i as u32;
@@ -165,7 +167,7 @@ impl Index {
                 let hot = hs.is_some();
                 // SAFETY: rm ids in S index rm_wm / rm_w; wm ids index cnt; worker ids index run_w / ok.
                 if !hot {
-                    self.s.holders_fast(key, |rm| unsafe {
+                    self.s.holders_fast(probe, u32::MAX, |rm| unsafe {
                         let w = *rm_w.get_unchecked(rm) as usize;
                         if *run_w.get_unchecked(w) == iu
                             && *ok.get_unchecked(w)
@@ -317,7 +319,7 @@ impl Index {
         let mut reached = 0usize;
         let mut ks = KeysAhead::new(q, n);
         for i in 0..n {
-            let key = ks.at(i, &self.s);
+            let (key, probe) = ks.at(i, &self.s);
             held.iter_mut().for_each(|x| *x = 0);
             if let Some(bits) = self.s.multi.get(&key) {
                 for (h, &b) in held.iter_mut().zip(bits) {
@@ -325,7 +327,7 @@ impl Index {
                 }
             } else {
                 touched.clear();
-                self.s.holders_fast(key, |rm| {
+                self.s.holders_fast(probe, u32::MAX, |rm| {
                     let wm = rm_wm[rm] as usize;
                     if alive[wm >> 6] & (1 << (wm & 63)) != 0 {
                         if cnt[wm] == 0 {
