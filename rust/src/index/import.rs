@@ -14,7 +14,8 @@ impl Index {
             let wk = &mut self.workers[l.0 as usize];
             if !wk.groups.iter().any(|g| g.group == group) {
                 wk.groups.push(GroupSpec { group, reach: Reach::Full });
-                wk.grouped = is_grouped(&wk.groups);
+                let g = is_grouped(&wk.groups);
+                self.set_grouped(l.0, g);
             }
         }
         let rm = self.tab(l).rm;
@@ -69,7 +70,8 @@ impl Index {
                 Some(g) => g.reach = reach,
                 None => wk.groups.push(GroupSpec { group, reach }),
             }
-            wk.grouped = is_grouped(&wk.groups);
+            let g = is_grouped(&wk.groups);
+            self.set_grouped(w, g);
         }
     }
 

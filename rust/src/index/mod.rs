@@ -229,10 +229,25 @@ pub struct Index {
     free_rm: Vec<u32>,
     name_rank: Vec<u32>,
     scratch: Vec<u64>,
+    /// How many workers are `grouped`: a score visits the workers for them only when some are.
+    n_grouped: usize,
 }
 
 impl Index {
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// Every change of a worker's `grouped` goes through here, which keeps `n_grouped`.
+    fn set_grouped(&mut self, w: u32, grouped: bool) {
+        let wk = &mut self.workers[w as usize];
+        if wk.grouped != grouped {
+            wk.grouped = grouped;
+            if grouped {
+                self.n_grouped += 1;
+            } else {
+                self.n_grouped -= 1;
+            }
+        }
     }
 }

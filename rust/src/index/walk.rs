@@ -106,7 +106,7 @@ impl Index {
         }
         // Grouped workers (hybrid models) are scored group by group, after the walk.
         let mut grouped: Vec<u32> = vec![];
-        for (w, wk) in self.workers.iter().enumerate() {
+        for (w, wk) in self.workers.iter().enumerate().take(if self.n_grouped > 0 { nw } else { 0 }) {
             if wk.grouped && ok[w] {
                 grouped.push(w as u32);
                 ok[w] = false;
@@ -281,16 +281,33 @@ impl Index {
         out.matched.reserve(hits.len());
         out.score.reserve(hits.len());
         out.by_off.reserve(hits.len());
+        // Each hit's wms that matched, in the order of its `wms`, which is wm id order (wm ids
+        // are handed out in creation order, and a worker's list grows with them): grouped by
+        // worker in passes over the wm arrays, instead of a visit to every hit's Worker.
+        let matched_wm = || best_wm.iter().zip(&self.wm_worker).enumerate().filter(|(_, (&b, _))| b > 0);
+        let mut at = vec![0u32; nw + 1];
+        for (_, (_, &w)) in matched_wm() {
+            at[w as usize + 1] += 1;
+        }
+        for w in 0..nw {
+            at[w + 1] += at[w];
+        }
+        let mut fill = at.clone();
+        let mut matched_wms = vec![0u32; at[nw] as usize];
+        for (wm, (_, &w)) in matched_wm() {
+            matched_wms[fill[w as usize] as usize] = wm as u32;
+            fill[w as usize] += 1;
+        }
+        out.by_medium.reserve(matched_wms.len());
+        out.by_tokens.reserve(matched_wms.len());
         for &(_, _, _, w) in &hits {
             let wu = w as usize;
             out.worker.push(w);
             out.matched.push(best_run[wu]);
             out.score.push(best_score[wu]);
-            for &wm in &self.workers[wu].wms {
-                if best_wm[wm as usize] > 0 {
-                    out.by_medium.push(self.wm_medium[wm as usize]);
-                    out.by_tokens.push(best_wm[wm as usize]);
-                }
+            for &wm in &matched_wms[at[wu] as usize..at[wu + 1] as usize] {
+                out.by_medium.push(self.wm_medium[wm as usize]);
+                out.by_tokens.push(best_wm[wm as usize]);
             }
             out.by_off.push(out.by_medium.len() as u32);
         }

@@ -213,7 +213,8 @@ impl Index {
             Some(p) => wk.groups[p].reach = reach.expect("changed"),
             None => wk.groups.push(GroupSpec { group, reach: reach.unwrap_or(Reach::Full) }),
         }
-        wk.grouped = is_grouped(&wk.groups);
+        let g = is_grouped(&wk.groups);
+        self.set_grouped(w, g);
     }
 
     fn resolve_parent(&self, own: Loc, peh: u64) -> (u64, bool) {
@@ -459,9 +460,8 @@ impl Index {
                     self.block_sizes.remove(&bs);
                 }
                 Undo::Groups(w, g, grouped) => {
-                    let wk = &mut self.workers[w as usize];
-                    wk.groups = g;
-                    wk.grouped = grouped;
+                    self.workers[w as usize].groups = g;
+                    self.set_grouped(w, grouped);
                 }
                 Undo::Memo(w, u) => self.workers[w as usize].memo.undo(u),
             }
@@ -722,16 +722,23 @@ mod tests {
         let untouched = seen(&mut applied, &t);
         assert!(applied.apply(&rank("a", 0, 1), &evs, true).is_ok());
         assert_ne!(seen(&mut applied, &t), untouched);
+        // The sliding-window group made worker a grouped, and the score's count of them says so.
+        assert_eq!((applied.n_grouped, grouped(&applied)), (1, 1));
 
         evs.push(stored(None, &[9], &t[..64], None));
         let mut ix = two_workers(&t);
         let before = seen(&mut ix, &t);
         assert_eq!(ix.apply(&rank("a", 0, 1), &evs, true), Err(ApplyError::Overflow));
         assert_eq!(seen(&mut ix, &t), before);
+        assert_eq!((ix.n_grouped, grouped(&ix)), (0, 0));
         assert_eq!(counts(&ix, "a"), (4, 0, 0, 1));
         // The undone rank still takes writes as before: block 1's two copies need two removes.
         assert_eq!(ix.apply(&rank("a", 0, 1), &[remove(&[1])], true), Ok(1));
         assert_eq!(ranked(&mut ix, &t, |_| 1.0, None, None)[0], ("a".to_string(), 64, 64.0));
+    }
+
+    fn grouped(ix: &Index) -> usize {
+        ix.workers.iter().filter(|w| w.grouped).count()
     }
 
     /// The key under which `inst` holds engine hash `eh`, and whether it is an orphan.
