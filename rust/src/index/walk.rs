@@ -3,7 +3,7 @@
 //! sparse one, need more than a leading run and are handed to `grouped`.
 
 use super::{Index, Query, Scores};
-use crate::keys::{block_key_le, ROOT};
+use crate::keys::{chain_step, xxh3, ROOT};
 use crate::table::{Probe, STable};
 
 /// A score as an integer in the same order (f64 total order, -0.0 counted as 0.0, as the
@@ -30,7 +30,12 @@ struct Runs<'r> {
 /// table slots prefetched: enough to cover a memory miss at the walk's
 /// per-block pace, few enough that a miss query hashes only a handful extra.
 const AHEAD: usize = 8;
-const RING: usize = 16;
+/// Blocks whose content hashes are computed together: they do not depend on each other (only
+/// the chain step does), so the CPU overlaps them, where one block at a time between probes
+/// it did not (a stored conversation's tokens cost ~25 ns a block that way, ~12 alone).
+const BATCH: usize = 8;
+/// Holds the block read and the `AHEAD + BATCH` after it.
+const RING: usize = 32;
 
 /// A query's block keys in walk order, each computed `AHEAD` blocks before the
 /// walk reads it, with its S slots prefetched then (and its probe kept, so the
@@ -53,18 +58,24 @@ impl<'a, 'q> KeysAhead<'a, 'q> {
     fn at(&mut self, i: usize, s: &STable) -> (u64, Probe) {
         let until = self.n.min(i + AHEAD + 1);
         while self.done < until {
-            let b = self.done;
-            let key = match self.q {
-                Query::Tokens { tokens, bs, ctx } => {
-                    block_key_le(&tokens[b * bs * 4..(b + 1) * bs * 4], self.last, ctx.at(b))
+            let (from, to) = (self.done, self.n.min(self.done + BATCH));
+            let mut content = [0u64; BATCH];
+            if let Query::Tokens { tokens, bs, ctx } = self.q {
+                for (b, c) in (from..to).zip(content.iter_mut()) {
+                    *c = xxh3(&tokens[b * bs * 4..(b + 1) * bs * 4], ctx.at(b));
                 }
-                Query::Keys { keys, .. } => keys[b],
-            };
-            self.last = key;
-            let p = s.probe(key);
-            s.prefetch(p);
-            self.ring[b % RING] = (key, p);
-            self.done += 1;
+            }
+            for (b, &c) in (from..to).zip(content.iter()) {
+                let key = match self.q {
+                    Query::Tokens { .. } => chain_step(self.last, c),
+                    Query::Keys { keys, .. } => keys[b],
+                };
+                self.last = key;
+                let p = s.probe(key);
+                s.prefetch(p);
+                self.ring[b % RING] = (key, p);
+            }
+            self.done = to;
         }
         self.ring[i % RING]
     }
