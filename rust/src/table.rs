@@ -204,6 +204,26 @@ impl RTable {
         }
     }
 
+    /// Start loading where `eh`'s lookup and insert read and write (its home in each of the
+    /// parallel arrays). A store prefetches all its blocks' slots before it touches any: the
+    /// tables are far larger than the cache, and one block's misses no longer wait on the last's.
+    #[inline]
+    pub fn prefetch(&self, eh: u64) {
+        let h = mix(eh);
+        let s = &self.shards[r_shard(h)];
+        let j = home(h, s.eh.len());
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: j < cap, the length of all three arrays; a prefetch reads nothing observable.
+        unsafe {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+            _mm_prefetch::<_MM_HINT_T0>(s.meta.as_ptr().add(j) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(s.eh.as_ptr().add(j) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(s.key.as_ptr().add(j) as *const i8);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = j;
+    }
+
     /// (key, meta) of an engine hash.
     #[inline]
     pub fn get(&self, eh: u64) -> Option<(u64, u16)> {

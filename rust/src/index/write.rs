@@ -166,6 +166,13 @@ impl Index {
             crate::keys::chain(tokens, bs as usize, ehs.len(), pkey, ctx, &mut keys);
         }
         let rm = self.tab(l).rm;
+        {
+            let t = &self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+            for (&eh, &key) in ehs.iter().zip(keys.iter()) {
+                t.prefetch(eh);
+                self.s.prefetch(self.s.probe(key));
+            }
+        }
         let mut over = false;
         for (i, &eh) in ehs.iter().enumerate() {
             let key = keys[i];
@@ -246,6 +253,18 @@ impl Index {
 
     fn remove(&mut self, rank: &RankId, medium: Option<&str>, group: i64, ehs: &[u64]) -> Result<(), ApplyError> {
         let l = self.table(rank, medium, group)?;
+        {
+            // As a store does: every block's R slots, then (their keys read back) its S slots.
+            let t = &self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+            for &eh in ehs {
+                t.prefetch(eh);
+            }
+            for &eh in ehs {
+                if let Some((key, _)) = t.get(eh) {
+                    self.s.prefetch(self.s.probe(key));
+                }
+            }
+        }
         for &eh in ehs {
             let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
             match t.meta_mut(eh) {
