@@ -456,11 +456,17 @@ impl SShard {
         // Entries in order of their new homes can each take the slot after the
         // previous one (or their home, if later): no probe, no shift. The few
         // that run past the end go in last, by the general insert.
-        let mut order: Vec<(u32, u32)> = (0..old.slot.len())
+        // The old slots, read from just after an empty one, are in the order of their old homes
+        // (one wrap aside), and a home is monotone in the mixed key's low 32 bits whatever the
+        // capacity: the new homes come nearly sorted, which a stable sort merges in ~one pass.
+        let n_old = old.slot.len();
+        let empty = (0..n_old).find(|&i| old.slot[i].meta == 0).expect("a table keeps an empty slot");
+        let mut order: Vec<(u32, u32)> = (1..=n_old)
+            .map(|k| (empty + k) % n_old)
             .filter(|&i| old.slot[i].meta != 0)
             .map(|i| (home(old.slot[i].h, cap) as u32, i as u32))
             .collect();
-        order.sort_unstable();
+        order.sort_by_key(|&(hn, _)| hn);
         let mut next = 0usize;
         let mut late = vec![];
         for &(hn, i) in &order {
