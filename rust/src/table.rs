@@ -886,17 +886,14 @@ impl STable {
 
     /// Holders of a probed key for the score walk: `f(rm)` for each slot of the
     /// key, without bounds checks (the walk visits every holder of every matched
-    /// block). Same stop rule as `SShard::slots_of`. Stops early, returning false,
-    /// once `limit` slots of the key were seen (dead ones too): a key with that many
-    /// may have a holder set that says the same in a few words.
+    /// block). Same stop rule as `SShard::slots_of`.
     #[inline(always)]
-    pub fn holders_fast(&self, p: Probe, limit: u32, mut f: impl FnMut(usize)) -> bool {
+    pub fn holders_fast(&self, p: Probe, mut f: impl FnMut(usize)) {
         let h = p.h;
         let s = &self.shards[p.shard as usize];
         let cap = s.slot.len();
         let slots = s.slot.as_ptr();
         let hk = p.home as usize;
-        let mut seen = 0u32;
         // Most keys have one slot or a few, within a few slots of their home: compare a
         // window of slots at once, without a branch per slot (the walk is bound by branch
         // misses when its slots are in cache). The window holds every slot of the key when
@@ -912,17 +909,13 @@ impl STable {
             // past the table's end, so homes are compared by displacement, not by value).
             if s.slot[hk + WINDOW].meta == 0 || s.disp(hk + WINDOW, cap) < WINDOW {
                 while mask != 0 {
-                    if seen == limit {
-                        return false;
-                    }
-                    seen += 1;
                     let rm = rm_of(s.slot[hk + mask.trailing_zeros() as usize].meta);
                     if !self.dead.has(rm) {
                         f(rm);
                     }
                     mask &= mask - 1;
                 }
-                return true;
+                return;
             }
         }
         // Most keys sit at their home: nothing homed before them to step over.
@@ -936,10 +929,6 @@ impl STable {
                 }
                 let k = (*slots.add(j)).h;
                 if k == h {
-                    if seen == limit {
-                        return false;
-                    }
-                    seen += 1;
                     let rm = ((m >> CNT_BITS) - 1) as usize;
                     if !self.dead.has(rm) {
                         f(rm);
@@ -957,7 +946,6 @@ impl STable {
                 d += 1;
             }
         }
-        true
     }
 
     /// Holders of `key`: calls `f(rm)` for each slot of the key.
@@ -1078,18 +1066,13 @@ mod tests {
             let mut got = vec![];
             t.holders(*k, |rm| got.push(rm));
             let mut fast = vec![];
-            assert!(t.holders_fast(t.probe(*k), u32::MAX, |rm| fast.push(rm as u32)));
+            t.holders_fast(t.probe(*k), |rm| fast.push(rm as u32));
             got.sort_unstable();
             fast.sort_unstable();
             let mut want = by_key.get(k).cloned().unwrap_or_default();
             want.sort_unstable();
             assert_eq!(got, want);
             assert_eq!(fast, want);
-            // With a limit, the walk stops at the slot past it, having seen the first `limit`.
-            let mut first = vec![];
-            let complete = t.holders_fast(t.probe(*k), 2, |rm| first.push(rm as u32));
-            assert_eq!(complete, want.len() <= 2);
-            assert_eq!(first.len(), want.len().min(2));
         }
         for (&(k, rm), &c) in &model {
             assert_eq!(t.at_ceiling(k, rm), c == CNT_MASK);

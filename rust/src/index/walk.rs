@@ -178,7 +178,7 @@ impl Index {
                 let hot = hs.is_some();
                 // SAFETY: rm ids in S index rm_wm / rm_w; wm ids index cnt; worker ids index run_w / ok.
                 if !hot {
-                    self.s.holders_fast(probe, u32::MAX, |rm| unsafe {
+                    self.s.holders_fast(probe, |rm| unsafe {
                         let w = *rm_w.get_unchecked(rm) as usize;
                         if *run_w.get_unchecked(w) == iu
                             && *ok.get_unchecked(w)
@@ -355,7 +355,7 @@ impl Index {
                 }
             } else {
                 touched.clear();
-                self.s.holders_fast(probe, u32::MAX, |rm| {
+                self.s.holders_fast(probe, |rm| {
                     let wm = rm_wm[rm] as usize;
                     if alive[wm >> 6] & (1 << (wm & 63)) != 0 {
                         if cnt[wm] == 0 {
