@@ -63,6 +63,19 @@ pub fn unmix(h: u64) -> u64 {
     x
 }
 
+/// Ask for the cache line holding `p`. A hint only: a prefetch reads nothing observable and
+/// never faults, so any address will do (one past a table's end included).
+#[inline(always)]
+fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: _mm_prefetch has no memory-safety requirement on its address.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8);
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
 #[inline]
 fn home(h: u64, cap: usize) -> usize {
     (((h & 0xFFFF_FFFF) * cap as u64) >> 32) as usize
@@ -212,16 +225,9 @@ impl RTable {
         let h = mix(eh);
         let s = &self.shards[r_shard(h)];
         let j = home(h, s.eh.len());
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: j < cap, the length of all three arrays; a prefetch reads nothing observable.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            _mm_prefetch::<_MM_HINT_T0>(s.meta.as_ptr().add(j) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(s.eh.as_ptr().add(j) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(s.key.as_ptr().add(j) as *const i8);
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = j;
+        prefetch_line(s.meta.as_ptr().wrapping_add(j) as *const u8);
+        prefetch_line(s.eh.as_ptr().wrapping_add(j) as *const u8);
+        prefetch_line(s.key.as_ptr().wrapping_add(j) as *const u8);
     }
 
     /// (key, meta) of an engine hash.
@@ -869,19 +875,11 @@ impl STable {
     /// changes no state.
     #[inline(always)]
     pub fn prefetch(&self, p: Probe) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: p.home < cap (same table, read-locked since `probe`); a prefetch reads
-        // nothing observable and never faults, so the line after may pass the end.
-        unsafe {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // And the line after: a key displaced from its home, or a walk past its last
-            // slot to the first slot homed after it, reads on into the next line.
-            let at = self.shards[p.shard as usize].slot.as_ptr().add(p.home as usize) as *const i8;
-            _mm_prefetch::<_MM_HINT_T0>(at);
-            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(64));
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = p;
+        let at = self.shards[p.shard as usize].slot.as_ptr().wrapping_add(p.home as usize) as *const u8;
+        prefetch_line(at);
+        // And the line after: a key displaced from its home, or a walk past its last
+        // slot to the first slot homed after it, reads on into the next line.
+        prefetch_line(at.wrapping_add(64));
     }
 
     /// Holders of a probed key for the score walk: `f(rm)` for each slot of the
