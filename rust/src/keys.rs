@@ -94,13 +94,42 @@ impl Ctx<'_> {
     }
 }
 
+/// Blocks whose keys `chain_batch` computes in one call.
+pub const CHAIN_BATCH: usize = 8;
+
+/// Keys of blocks `from..to` (at most `CHAIN_BATCH` of them) of `bs` tokens (little-endian
+/// bytes), chained from `parent`, into `out[..to - from]`. The content hashes come first: they
+/// do not depend on the parent, so the CPU overlaps them; only the chain steps are serial.
+#[inline]
+pub fn chain_batch(
+    token_le: &[u8],
+    bs: usize,
+    from: usize,
+    to: usize,
+    parent: u64,
+    ctx: Ctx<'_>,
+    out: &mut [u64; CHAIN_BATCH],
+) {
+    let w = bs * 4;
+    for (b, c) in (from..to).zip(out.iter_mut()) {
+        *c = xxh3(&token_le[b * w..(b + 1) * w], ctx.at(b));
+    }
+    let mut key = parent;
+    for c in out.iter_mut().take(to - from) {
+        key = chain_step(key, *c);
+        *c = key;
+    }
+}
+
 /// Keys of `n` consecutive blocks of `bs` tokens (little-endian bytes) chained from `parent`.
 pub fn chain(token_le: &[u8], bs: usize, n: usize, parent: u64, ctx: Ctx<'_>, out: &mut Vec<u64>) {
     let mut key = parent;
-    let w = bs * 4;
-    for i in 0..n {
-        key = block_key_le(&token_le[i * w..(i + 1) * w], key, ctx.at(i));
-        out.push(key);
+    let mut batch = [0u64; CHAIN_BATCH];
+    for from in (0..n).step_by(CHAIN_BATCH) {
+        let to = n.min(from + CHAIN_BATCH);
+        chain_batch(token_le, bs, from, to, key, ctx, &mut batch);
+        out.extend_from_slice(&batch[..to - from]);
+        key = batch[to - from - 1];
     }
 }
 

@@ -3,7 +3,7 @@
 //! sparse one, need more than a leading run and are handed to `grouped`.
 
 use super::{Index, Query, Scores};
-use crate::keys::{chain_step, xxh3, ROOT};
+use crate::keys::{chain_batch, CHAIN_BATCH, ROOT};
 use crate::table::{Probe, STable};
 
 /// A score as an integer in the same order (f64 total order, -0.0 counted as 0.0, as the
@@ -30,11 +30,7 @@ struct Runs<'r> {
 /// table slots prefetched: enough to cover a memory miss at the walk's
 /// per-block pace, few enough that a miss query hashes only a handful extra.
 const AHEAD: usize = 8;
-/// Blocks whose content hashes are computed together: they do not depend on each other (only
-/// the chain step does), so the CPU overlaps them, where one block at a time between probes
-/// it did not (a stored conversation's tokens cost ~25 ns a block that way, ~12 alone).
-const BATCH: usize = 8;
-/// Holds the block read and the `AHEAD + BATCH` after it.
+/// Holds the block read and the `AHEAD + CHAIN_BATCH` after it.
 const RING: usize = 32;
 
 /// A query's block keys in walk order, each computed `AHEAD` blocks before the
@@ -58,16 +54,15 @@ impl<'a, 'q> KeysAhead<'a, 'q> {
     fn at(&mut self, i: usize, s: &STable) -> (u64, Probe) {
         let until = self.n.min(i + AHEAD + 1);
         while self.done < until {
-            let (from, to) = (self.done, self.n.min(self.done + BATCH));
-            let mut content = [0u64; BATCH];
+            let (from, to) = (self.done, self.n.min(self.done + CHAIN_BATCH));
+            // A batch of keys at once (keys.rs): their content hashes overlap in the CPU.
+            let mut batch = [0u64; CHAIN_BATCH];
             if let Query::Tokens { tokens, bs, ctx } = self.q {
-                for (b, c) in (from..to).zip(content.iter_mut()) {
-                    *c = xxh3(&tokens[b * bs * 4..(b + 1) * bs * 4], ctx.at(b));
-                }
+                chain_batch(tokens, *bs, from, to, self.last, *ctx, &mut batch);
             }
-            for (b, &c) in (from..to).zip(content.iter()) {
+            for (b, &k) in (from..to).zip(batch.iter()) {
                 let key = match self.q {
-                    Query::Tokens { .. } => chain_step(self.last, c),
+                    Query::Tokens { .. } => k,
                     Query::Keys { keys, .. } => keys[b],
                 };
                 self.last = key;
