@@ -24,6 +24,43 @@ struct Runs<'r> {
     score_w: &'r mut [f64],
     run_wm: &'r mut [u32],
     cnt: &'r mut [u32],
+    alive: &'r mut Vec<u64>,
+    held: &'r mut Vec<u64>,
+    touched: &'r mut Vec<u32>,
+}
+
+/// A score's per-worker and per-wm arrays, kept by each thread between its scores: a score
+/// of a miss is otherwise mostly allocating and freeing them (a fifth of its time at 256
+/// workers). Each score sizes and zeroes what it uses; the walks leave run_w / score_w /
+/// run_wm / cnt zeroed behind them, as they found them.
+#[derive(Default)]
+struct Scratch {
+    best_run: Vec<i64>,
+    best_score: Vec<f64>,
+    best_wm: Vec<i64>,
+    run_w: Vec<u32>,
+    score_w: Vec<f64>,
+    run_wm: Vec<u32>,
+    cnt: Vec<u32>,
+    bestw: Vec<f64>,
+    ok: Vec<bool>,
+    alive: Vec<u64>,
+    held: Vec<u64>,
+    touched: Vec<u32>,
+    wtouched: Vec<u32>,
+}
+
+thread_local! {
+    /// Taken for a score and put back after it (a score never runs inside another, and if one
+    /// did it would take an empty one).
+    static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
+}
+
+/// `v` as `n` copies of `x`, reusing its allocation.
+fn filled<T: Copy>(v: &mut Vec<T>, n: usize, x: T) -> &mut [T] {
+    v.clear();
+    v.resize(n, x);
+    v
 }
 
 /// How many blocks ahead of the walk a query's keys are computed and their
@@ -87,6 +124,20 @@ impl Index {
     /// `mask[w]` false excludes worker w.
     /// Reads only (`&self`): scores run without the GIL beside each other (py_index.rs `Shared`).
     pub fn score(&self, queries: &[Query], weights: &[f64], mask: Option<&[bool]>, top_k: Option<usize>) -> Scores {
+        let mut sc = SCRATCH.with(std::cell::Cell::take);
+        let out = self.score_in(&mut sc, queries, weights, mask, top_k);
+        SCRATCH.with(|c| c.set(sc));
+        out
+    }
+
+    fn score_in(
+        &self,
+        sc: &mut Scratch,
+        queries: &[Query],
+        weights: &[f64],
+        mask: Option<&[bool]>,
+        top_k: Option<usize>,
+    ) -> Scores {
         let nw = self.workers.len();
         let nwm = self.wm_worker.len();
         let mut out = Scores::default();
@@ -94,17 +145,32 @@ impl Index {
         if nw == 0 || self.s.count == 0 {
             return out;
         }
-        let mut best_run = vec![0i64; nw];
-        let mut best_score = vec![0f64; nw];
-        let mut best_wm = vec![0i64; nwm];
-        let mut run_w = vec![0u32; nw];
-        let mut score_w = vec![0f64; nw];
-        let mut run_wm = vec![0u32; nwm];
-        let mut cnt = vec![0u32; nwm];
-        let mut bestw = vec![-1f64; nw];
-        let mut touched: Vec<u32> = Vec::with_capacity(64);
+        let Scratch {
+            best_run,
+            best_score,
+            best_wm,
+            run_w,
+            score_w,
+            run_wm,
+            cnt,
+            bestw,
+            ok,
+            alive,
+            held,
+            touched,
+            wtouched,
+        } = sc;
+        let best_run = filled(best_run, nw, 0);
+        let best_score = filled(best_score, nw, 0.0);
+        let best_wm = filled(best_wm, nwm, 0);
+        let run_w = filled(run_w, nw, 0);
+        let score_w = filled(score_w, nw, 0.0);
+        let run_wm = filled(run_wm, nwm, 0);
+        let cnt = filled(cnt, nwm, 0);
+        let bestw = filled(bestw, nw, -1.0);
+        touched.clear();
         // One flag per worker whatever the mask's length (unchecked reads below rely on it).
-        let mut ok = vec![true; nw];
+        let ok = filled(ok, nw, true);
         if let Some(m) = mask {
             for (o, &k) in ok.iter_mut().zip(m) {
                 *o = k;
@@ -122,7 +188,8 @@ impl Index {
         let excluding = weights.iter().any(|&w| w < 0.0);
         let wm_ok: Vec<bool> =
             if excluding { self.wm_medium.iter().map(|&m| weights[m as usize] >= 0.0).collect() } else { vec![] };
-        let mut wtouched: Vec<u32> = Vec::with_capacity(64);
+        let every = mask.is_none() && grouped.is_empty() && !excluding;
+        wtouched.clear();
         let mut hit_any = false;
         for q in queries {
             let (n, scale) = match q {
@@ -134,8 +201,8 @@ impl Index {
             }
             let mut reached = 0usize;
             if self.media.len() == 1 {
-                let out = Runs { run_w: &mut run_w, score_w: &mut score_w, run_wm: &mut run_wm, cnt: &mut cnt };
-                reached = self.walk_one_medium(q, n, &ok, weights, out);
+                let out = Runs { run_w, score_w, run_wm, cnt, alive, held, touched };
+                reached = self.walk_one_medium(q, n, ok, every, weights, out);
             }
             let mut ks = KeysAhead::new(q, n);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
@@ -188,7 +255,7 @@ impl Index {
                         }
                     });
                 }
-                for &wm in &touched {
+                for &wm in touched.iter() {
                     let wmu = wm as usize;
                     if cnt[wmu] >= self.hd.wm_tp[wmu] {
                         if run_wm[wmu] as usize == i {
@@ -205,7 +272,7 @@ impl Index {
                     }
                     cnt[wmu] = 0;
                 }
-                for &w in &wtouched {
+                for &w in wtouched.iter() {
                     let w = w as usize;
                     run_w[w] = i as u32 + 1;
                     score_w[w] += bestw[w];
@@ -235,9 +302,7 @@ impl Index {
                 }
             }
         }
-        if !grouped.is_empty()
-            && self.score_grouped(queries, weights, &grouped, &mut best_run, &mut best_score, &mut best_wm)
-        {
+        if !grouped.is_empty() && self.score_grouped(queries, weights, &grouped, best_run, best_score, best_wm) {
             hit_any = true;
         }
         if !hit_any {
@@ -325,19 +390,28 @@ impl Index {
     /// block's holders (a hot key's holder set, word by word, or the wms its
     /// slots show holding), and a worker's run is set once, when it drops out.
     /// Scores are then run x the medium's weight. Fills run_w / score_w /
-    /// run_wm like the general walk; returns the blocks anyone matched.
-    fn walk_one_medium(&self, q: &Query, n: usize, ok: &[bool], weights: &[f64], out: Runs) -> usize {
-        let Runs { run_w, score_w, run_wm, cnt } = out;
+    /// run_wm like the general walk; returns the blocks anyone matched. `every`: `ok` is all
+    /// true and no weight excludes a medium.
+    fn walk_one_medium(&self, q: &Query, n: usize, ok: &[bool], every: bool, weights: &[f64], out: Runs) -> usize {
+        let Runs { run_w, score_w, run_wm, cnt, alive, held, touched } = out;
         let nwm = self.wm_worker.len();
         let words = nwm.div_ceil(64);
-        let mut alive = vec![0u64; words];
-        for wm in 0..nwm {
-            if ok[self.wm_worker[wm] as usize] && weights[self.wm_medium[wm] as usize] >= 0.0 {
-                alive[wm >> 6] |= 1 << (wm & 63);
+        let alive = filled(alive, words, 0);
+        if every {
+            // Nothing masked or excluded: every wm, a word at a time (a pass over the wm arrays
+            // was a tenth of a miss query's cost at 256 workers).
+            alive.iter_mut().for_each(|a| *a = !0);
+            if nwm % 64 != 0 {
+                alive[words - 1] = (1 << (nwm % 64)) - 1;
+            }
+        } else {
+            for wm in 0..nwm {
+                if ok[self.wm_worker[wm] as usize] && weights[self.wm_medium[wm] as usize] >= 0.0 {
+                    alive[wm >> 6] |= 1 << (wm & 63);
+                }
             }
         }
-        let mut held = vec![0u64; words];
-        let mut touched: Vec<u32> = Vec::with_capacity(16);
+        let held = filled(held, words, 0);
         let rm_wm = &self.hd.rm_wm;
         let mut reached = 0usize;
         let mut ks = KeysAhead::new(q, n);
@@ -359,7 +433,7 @@ impl Index {
                         cnt[wm] += 1;
                     }
                 });
-                for &wm in &touched {
+                for &wm in touched.iter() {
                     let wm = wm as usize;
                     if cnt[wm] >= self.hd.wm_tp[wm] {
                         held[wm >> 6] |= 1 << (wm & 63);
