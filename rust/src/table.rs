@@ -946,6 +946,31 @@ impl STable {
         }
     }
 
+    /// Whether a live slot of a probed key has an rm that `is` accepts: `holders_fast` that
+    /// stops at the first. A key's slots lie at or after its home, so one found in the window
+    /// answers yes without `holders_fast`'s proof that the window holds them all (a long
+    /// cluster's, which sends it to the general scan). The score walk's last survivor asks
+    /// this of each block.
+    #[inline(always)]
+    pub fn has_holder(&self, p: Probe, is: impl Fn(usize) -> bool) -> bool {
+        let s = &self.shards[p.shard as usize];
+        let hk = p.home as usize;
+        if hk + WINDOW < s.slot.len() {
+            for t in 0..WINDOW {
+                let x = &s.slot[hk + t];
+                if x.h == p.h && x.meta != 0 {
+                    let rm = rm_of(x.meta);
+                    if is(rm) && !self.dead.has(rm) {
+                        return true;
+                    }
+                }
+            }
+        }
+        let mut found = false;
+        self.holders_fast(p, |rm| found |= is(rm));
+        found
+    }
+
     /// Holders of `key`: calls `f(rm)` for each slot of the key.
     #[inline]
     pub fn holders(&self, key: u64, mut f: impl FnMut(u32)) {

@@ -441,7 +441,8 @@ impl Index {
                     cnt[wm] = 0;
                 }
             }
-            let mut any = false;
+            // Words still alive, and the last of them (popcount is not in the baseline ISA).
+            let (mut nz, mut last) = (0usize, 0usize);
             for k in 0..words {
                 let still = alive[k] & held[k];
                 let mut dropped = alive[k] & !still;
@@ -450,12 +451,31 @@ impl Index {
                     dropped &= dropped - 1;
                 }
                 alive[k] = still;
-                any |= still != 0;
+                if still != 0 {
+                    nz += 1;
+                    last = k;
+                }
             }
-            if !any {
+            if nz == 0 {
                 break;
             }
             reached = i + 1;
+            if nz == 1 && alive[last] & (alive[last] - 1) == 0 {
+                // One wm left, as in a conversation's own tail: its blocks are tested against
+                // its slots alone. A single rank (TP 1) holds a block iff one of its live slots
+                // does, hot key or not, so neither the holder sets nor the bitset passes are
+                // needed per block.
+                let k = last;
+                let x = k * 64 + alive[k].trailing_zeros() as usize;
+                if self.hd.wm_tp[x] <= 1 {
+                    reached = self.last_survivor(&mut ks, i + 1, n, x);
+                    if reached < n {
+                        run_wm[x] = reached as u32;
+                        alive[k] = 0;
+                    }
+                    break;
+                }
+            }
         }
         for (k, &a) in alive.iter().enumerate() {
             let mut b = a;
@@ -473,6 +493,23 @@ impl Index {
             }
         }
         reached
+    }
+}
+
+impl Index {
+    /// The blocks from `from` on that wm `x` (a single rank) holds, until the first it lacks:
+    /// returns that block's position, or `n`. Out of line: the walk's loop stays as small as
+    /// it was for queries that never narrow to one worker.
+    #[inline(never)]
+    fn last_survivor(&self, ks: &mut KeysAhead, from: usize, n: usize, x: usize) -> usize {
+        let rm_wm = &self.hd.rm_wm;
+        for j in from..n {
+            let (_, probe) = ks.at(j, &self.s);
+            if !self.s.has_holder(probe, |rm| rm_wm[rm] as usize == x) {
+                return j;
+            }
+        }
+        n
     }
 }
 
@@ -607,6 +644,33 @@ mod tests {
             let want = &all[..k.min(all.len())];
             assert_eq!(ranked(&mut ix, &t, weight, None, Some(k)), want, "top_k {k}");
         }
+    }
+
+    /// The walk's last survivor is tested against its own slots: hot keys (holder sets) and a
+    /// cleared rank's unswept slots on its blocks change nothing of what it is credited.
+    #[test]
+    fn the_last_survivor_is_credited_by_its_own_live_slots() {
+        let mut ix = Index::new();
+        ix.s.promote = 1;
+        let t = toks(128);
+        let ehs: Vec<u64> = (1..=8).collect();
+        ix.apply(&rank("a", 0, 1), &[stored(None, &ehs, &t, None)], true).unwrap();
+        ix.apply(&rank("b", 0, 1), &[stored(None, &[11, 12], &t[..128], None)], true).unwrap();
+        // c held every block, then cleared them: its slots stay until swept, dead.
+        let c_ehs: Vec<u64> = (21..=28).collect();
+        ix.apply(&rank("c", 0, 1), &[stored(None, &c_ehs, &t, None)], true).unwrap();
+        ix.clear_rank("c", 0, 0, false);
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("a", 128), hit("b", 32)]);
+        // a loses block 6 (eh 6): a's run ends at block 5, whichever walk reads it.
+        ix.apply(&rank("a", 0, 1), &[Ev::Remove { medium: None, group: 0, ehs: &[6] }], true).unwrap();
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("a", 80), hit("b", 32)]);
+        // TP 2 worker d: both ranks hold blocks 0-7 but rank 1 lacks block 4.
+        for tp_rank in 0..2 {
+            let e: &[u64] = if tp_rank == 0 { &[31, 32, 33, 34, 35, 36, 37, 38] } else { &[31, 32, 33, 34] };
+            ix.apply(&rank("d", tp_rank, 2), &[stored(None, e, &t[..e.len() * 64], None)], true).unwrap();
+        }
+        ix.apply(&rank("a", 0, 1), &[Ev::Remove { medium: None, group: 0, ehs: &[3, 4, 5] }], true).unwrap();
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("d", 64), hit("a", 32), hit("b", 32)]);
     }
 
     #[test]
