@@ -71,24 +71,31 @@ const AHEAD: usize = 8;
 const RING: usize = 32;
 
 /// A query's block keys in walk order, each computed `AHEAD` blocks before the
-/// walk reads it, with its S slots prefetched then (and its probe kept, so the
-/// walk does not compute it twice).
-struct KeysAhead<'a, 'q> {
+/// walk reads it, with its probe kept (the walk does not compute it twice) and, once the
+/// holder sets are looked up (`sets`), the key's set when it has one. A key's S slots are
+/// prefetched then, unless it has a holder set, which the walk reads instead of its slots
+/// (a shared prompt's blocks: prefetching their slots only queued misses ahead of the
+/// misses that matter).
+struct KeysAhead<'a, 'q, 's> {
     q: &'a Query<'q>,
+    s: &'s STable,
     n: usize,
-    ring: [(u64, Probe); RING],
+    ring: [(u64, Probe, Option<&'s [u64]>); RING],
     done: usize,
     last: u64,
+    /// Look up holder sets ahead; off, every key's slots are prefetched and no set is given.
+    sets: bool,
 }
 
-impl<'a, 'q> KeysAhead<'a, 'q> {
-    fn new(q: &'a Query<'q>, n: usize) -> Self {
-        KeysAhead { q, n, ring: [(0, Probe::default()); RING], done: 0, last: ROOT }
+impl<'a, 'q, 's> KeysAhead<'a, 'q, 's> {
+    fn new(q: &'a Query<'q>, n: usize, s: &'s STable) -> Self {
+        KeysAhead { q, s, n, ring: [(0, Probe::default(), None); RING], done: 0, last: ROOT, sets: true }
     }
 
-    /// Key of block `i` and its probe; blocks are asked for in order, 0, 1, 2, ...
+    /// Key of block `i`, its probe and its holder set; blocks are asked for in order, 0, 1, 2, ...
     #[inline]
-    fn at(&mut self, i: usize, s: &STable) -> (u64, Probe) {
+    fn at(&mut self, i: usize) -> (u64, Probe, Option<&'s [u64]>) {
+        let s = self.s;
         let until = self.n.min(i + AHEAD + 1);
         while self.done < until {
             let (from, to) = (self.done, self.n.min(self.done + CHAIN_BATCH));
@@ -104,8 +111,11 @@ impl<'a, 'q> KeysAhead<'a, 'q> {
                 };
                 self.last = key;
                 let p = s.probe(key);
-                s.prefetch(p);
-                self.ring[b % RING] = (key, p);
+                let set = if self.sets && !s.multi.is_empty() { s.multi.get(&key).map(|v| &v[..]) } else { None };
+                if set.is_none() {
+                    s.prefetch(p);
+                }
+                self.ring[b % RING] = (key, p, set);
             }
             self.done = to;
         }
@@ -204,13 +214,12 @@ impl Index {
                 let out = Runs { run_w, score_w, run_wm, cnt, alive, held, touched };
                 reached = self.walk_one_medium(q, n, ok, every, weights, out);
             }
-            let mut ks = KeysAhead::new(q, n);
+            let mut ks = KeysAhead::new(q, n, &self.s);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
-                let (key, probe) = ks.at(i, &self.s);
+                let (_, probe, hs) = ks.at(i);
                 touched.clear();
                 wtouched.clear();
                 let iu = i as u32;
-                let hs = self.s.multi.get(&key);
                 if let Some(bits) = hs {
                     // A hot key: its holder set says which wms hold it (TP counted already).
                     for (wi, &word) in bits.iter().enumerate() {
@@ -414,11 +423,11 @@ impl Index {
         let held = filled(held, words, 0);
         let rm_wm = &self.hd.rm_wm;
         let mut reached = 0usize;
-        let mut ks = KeysAhead::new(q, n);
+        let mut ks = KeysAhead::new(q, n, &self.s);
         for i in 0..n {
-            let (key, probe) = ks.at(i, &self.s);
+            let (_, probe, set) = ks.at(i);
             held.iter_mut().for_each(|x| *x = 0);
-            if let Some(bits) = self.s.multi.get(&key) {
+            if let Some(bits) = set {
                 for (h, &b) in held.iter_mut().zip(bits) {
                     *h = b;
                 }
@@ -503,8 +512,17 @@ impl Index {
     #[inline(never)]
     fn last_survivor(&self, ks: &mut KeysAhead, from: usize, n: usize, x: usize) -> usize {
         let rm_wm = &self.hd.rm_wm;
+        // Its own slots answer for hot keys too: no more sets looked up, every block's slots
+        // prefetched. The blocks already ahead keep theirs, which are exact.
+        ks.sets = false;
         for j in from..n {
-            let (_, probe) = ks.at(j, &self.s);
+            let (_, probe, set) = ks.at(j);
+            if let Some(bits) = set {
+                if bits.get(x >> 6).is_some_and(|b| b & (1 << (x & 63)) != 0) {
+                    continue;
+                }
+                return j;
+            }
             if !self.s.has_holder(probe, |rm| rm_wm[rm] as usize == x) {
                 return j;
             }
