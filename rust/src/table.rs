@@ -327,6 +327,11 @@ pub const S_SHARD_BITS: u32 = 12;
 /// Slots from its home that a score probe compares at once (`STable::holders_fast`).
 const WINDOW: usize = 4;
 
+/// Slots from its home that `STable::has_holder` searches before the general scan: most of
+/// the two lines `prefetch` asks for (Robin Hood displaces a key past a few slots often at
+/// the loads S runs at, and a shared prompt's long clusters push keys homed in them further).
+const HAS_WINDOW: usize = 8;
+
 /// Slots `run_start` reads one by one before it gallops.
 const LINEAR_STEPS: usize = 4;
 
@@ -955,8 +960,8 @@ impl STable {
     pub fn has_holder(&self, p: Probe, is: impl Fn(usize) -> bool) -> bool {
         let s = &self.shards[p.shard as usize];
         let hk = p.home as usize;
-        if hk + WINDOW < s.slot.len() {
-            for t in 0..WINDOW {
+        if hk + HAS_WINDOW < s.slot.len() {
+            for t in 0..HAS_WINDOW {
                 let x = &s.slot[hk + t];
                 if x.h == p.h && x.meta != 0 {
                     let rm = rm_of(x.meta);
