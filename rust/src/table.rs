@@ -183,12 +183,27 @@ impl RShard {
     }
 }
 
-pub const R_SHARD_BITS: u32 = 4;
+/// R shards a table starts with.
+pub const R_SHARDS: usize = 16;
+/// Entries per shard past which a table splits one more shard (linear hashing): a shard's
+/// growth rehashes it inside an apply quantum, which holds the index's write lock, and a
+/// rank's table of 1.5M entries in 16 fixed shards stalled every score for ~2 ms at each
+/// growth. Splitting keeps shards within about twice this.
+const R_SPLIT_LEN: usize = 2048;
 
 /// One rank x medium x group: engine hash -> (key, meta), plus its counters.
+///
+/// Linear hashing over the upper half of an engine hash's mix (the lower half places it in
+/// its shard): at level L a table has `R_SHARDS << L` shards plus the `next` already split
+/// into a shard of the level above, so a shard's index is two masks and a compare, and
+/// the table grows one shard at a time, oldest first.
 #[derive(Clone)]
 pub struct RTable {
     pub shards: Vec<RShard>,
+    /// Shards of the current level: `R_SHARDS << level`.
+    base: usize,
+    /// Shards below this one are split at this level.
+    next: usize,
     pub rm: u32,
     pub medium: u32,
     pub group: i64,
@@ -198,15 +213,12 @@ pub struct RTable {
     pub dups: i64,
 }
 
-#[inline]
-fn r_shard(h: u64) -> usize {
-    (h >> (64 - R_SHARD_BITS)) as usize
-}
-
 impl RTable {
     pub fn new(rm: u32, medium: u32, group: i64) -> Self {
         RTable {
-            shards: (0..1usize << R_SHARD_BITS).map(|_| RShard::new(MIN_CAP)).collect(),
+            shards: (0..R_SHARDS).map(|_| RShard::new(MIN_CAP)).collect(),
+            base: R_SHARDS,
+            next: 0,
             rm,
             medium,
             group,
@@ -223,7 +235,7 @@ impl RTable {
     #[inline]
     pub fn prefetch(&self, eh: u64) {
         let h = mix(eh);
-        let s = &self.shards[r_shard(h)];
+        let s = &self.shards[self.r_shard(h)];
         let j = home(h, s.eh.len());
         prefetch_line(s.meta.as_ptr().wrapping_add(j) as *const u8);
         prefetch_line(s.eh.as_ptr().wrapping_add(j) as *const u8);
@@ -234,22 +246,63 @@ impl RTable {
     #[inline]
     pub fn get(&self, eh: u64) -> Option<(u64, u16)> {
         let h = mix(eh);
-        let s = &self.shards[r_shard(h)];
+        let s = &self.shards[self.r_shard(h)];
         s.find(eh, h).map(|j| (s.key[j], s.meta[j]))
     }
 
     #[inline]
     pub fn meta_mut(&mut self, eh: u64) -> Option<&mut u16> {
         let h = mix(eh);
-        let s = &mut self.shards[r_shard(h)];
+        let at = self.r_shard(h);
+        let s = &mut self.shards[at];
         s.find(eh, h).map(move |j| &mut s.meta[j])
+    }
+
+    #[inline(always)]
+    fn r_shard(&self, h: u64) -> usize {
+        let u = (h >> 32) as usize;
+        let i = u & (self.base - 1);
+        if i < self.next {
+            u & (2 * self.base - 1)
+        } else {
+            i
+        }
+    }
+
+    /// Split shard `next`: the entries with the level's bit set go to a new shard at the end.
+    fn split(&mut self) {
+        let at = self.next;
+        let old = std::mem::replace(&mut self.shards[at], RShard::new(MIN_CAP));
+        let bit = self.base;
+        let high =
+            (0..old.eh.len()).filter(|&i| old.meta[i] != 0 && (mix(old.eh[i]) >> 32) as usize & bit != 0).count();
+        let sized = |n: usize| RShard::new(next_cap(n + n / 2, MIN_CAP));
+        let (mut lo, mut hi) = (sized(old.len - high), sized(high));
+        for i in 0..old.eh.len() {
+            if old.meta[i] != 0 {
+                let h = mix(old.eh[i]);
+                let s = if (h >> 32) as usize & bit != 0 { &mut hi } else { &mut lo };
+                s.put(old.eh[i], h, old.key[i], old.meta[i]);
+            }
+        }
+        self.shards[at] = lo;
+        self.shards.push(hi);
+        self.next += 1;
+        if self.next == self.base {
+            self.base *= 2;
+            self.next = 0;
+        }
     }
 
     /// Insert an absent engine hash.
     #[inline]
     pub fn insert(&mut self, eh: u64, key: u64, meta: u16) {
         let h = mix(eh);
-        self.shards[r_shard(h)].put(eh, h, key, meta);
+        if self.count as usize >= self.shards.len() * R_SPLIT_LEN {
+            self.split();
+        }
+        let at = self.r_shard(h);
+        self.shards[at].put(eh, h, key, meta);
         self.count += 1;
         if meta & ORPHAN != 0 {
             self.orphans += 1;
@@ -259,7 +312,8 @@ impl RTable {
     /// Remove a present engine hash; returns its (key, meta).
     pub fn remove(&mut self, eh: u64) -> Option<(u64, u16)> {
         let h = mix(eh);
-        let s = &mut self.shards[r_shard(h)];
+        let at = self.r_shard(h);
+        let s = &mut self.shards[at];
         let j = s.find(eh, h)?;
         let out = (s.key[j], s.meta[j]);
         s.delete(j);
@@ -272,7 +326,8 @@ impl RTable {
 
     /// Make room for `extra` more entries up front (imports).
     pub fn reserve(&mut self, extra: usize) {
-        let per = extra >> R_SHARD_BITS;
+        // Up to the split size: past it, inserts split shards as they fill.
+        let per = (extra / self.shards.len()).min(R_SPLIT_LEN);
         for s in &mut self.shards {
             let need = s.len + per + per / 8 + 4;
             if need > limit(s.eh.len()) {
@@ -290,9 +345,9 @@ impl RTable {
 
     /// Empty the table (counters of unknown removes and duplicates survive).
     pub fn reset(&mut self) {
-        for s in &mut self.shards {
-            *s = RShard::new(MIN_CAP);
-        }
+        self.shards = (0..R_SHARDS).map(|_| RShard::new(MIN_CAP)).collect();
+        self.base = R_SHARDS;
+        self.next = 0;
         self.count = 0;
         self.orphans = 0;
     }
@@ -1030,6 +1085,44 @@ mod tests {
                     assert!(s.disp(n, cap) <= s.disp(j, cap) + 1, "slot {n} jumps ahead of slot {j}");
                 }
             }
+        }
+    }
+
+    /// An R table against a map through splits, growth, deletes and a reset: every entry found
+    /// with its key and meta, none that was removed, and no shard past the split size (bar
+    /// its growth margin).
+    #[test]
+    fn r_table_splits_and_matches_a_map() {
+        let mut t = RTable::new(0, 0, 0);
+        let mut model: Map<u64, (u64, u16)> = Map::new();
+        let mut r = rng(11);
+        for round in 0..2 {
+            for step in 0..200_000u64 {
+                let eh = r() % 400_000;
+                if step % 3 == 2 {
+                    assert_eq!(t.remove(eh), model.remove(&eh), "remove {eh}");
+                } else if let std::collections::hash_map::Entry::Vacant(v) = model.entry(eh) {
+                    let (key, meta) = (r(), 1 + (step % 1000) as u16);
+                    t.insert(eh, key, meta);
+                    v.insert((key, meta));
+                }
+            }
+            assert_eq!(t.count as usize, model.len());
+            assert!(t.shards.len() > 16, "round {round}: no split ({} shards)", t.shards.len());
+            for s in &t.shards {
+                assert!(s.len <= R_SPLIT_LEN * 3, "a shard of {} entries", s.len);
+            }
+            for (&eh, &v) in &model {
+                assert_eq!(t.get(eh), Some(v));
+            }
+            let mut seen: Vec<u64> = t.entries().map(|(eh, _, _)| eh).collect();
+            seen.sort_unstable();
+            let mut want: Vec<u64> = model.keys().copied().collect();
+            want.sort_unstable();
+            assert_eq!(seen, want);
+            t.reset();
+            model.clear();
+            assert_eq!(t.get(1), None);
         }
     }
 
