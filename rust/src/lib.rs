@@ -10,6 +10,20 @@ use pyo3::prelude::*;
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// `mi_option_purge_delay` in mimalloc.h's `mi_option_e` (v2 and v3 alike; the sys crate does
+/// not name it).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// Freed memory stays with the allocator for reuse instead of going back to the OS 10 ms
+/// later. Those returns (madvise, a page-table walk and a TLB shootdown across CPUs, slow on a
+/// virtual machine) ran inside whichever call freed memory next: an apply quantum, holding the
+/// index's write lock for 2-4 ms while scores waited. The index's memory is mostly reused as
+/// it churns (bench/results/soak.json measures RSS under churn).
+fn keep_freed_memory() {
+    // SAFETY: an option write; mimalloc reads it when it would purge.
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+}
+
 pub mod decode;
 pub mod record;
 // The index, its keys and its Python bindings (issue 12's index/score half).
@@ -23,6 +37,7 @@ pub mod table;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    keep_freed_memory();
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     py_index::register(m)?;
     py_keys::register(m)?;
