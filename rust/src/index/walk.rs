@@ -31,8 +31,7 @@ struct Runs<'r> {
 
 /// A score's per-worker and per-wm arrays, kept by each thread between its scores: a score
 /// of a miss is otherwise mostly allocating and freeing them (a fifth of its time at 256
-/// workers). Each score sizes and zeroes what it uses; the walks leave run_w / score_w /
-/// run_wm / cnt zeroed behind them, as they found them.
+/// workers). Each score sizes and zeroes what it uses.
 #[derive(Default)]
 struct Scratch {
     best_run: Vec<i64>,
