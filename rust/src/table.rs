@@ -189,7 +189,7 @@ pub const R_SHARDS: usize = 16;
 /// growth rehashes it inside an apply quantum, which holds the index's write lock, and a
 /// rank's table of 1.5M entries in 16 fixed shards stalled every score for ~2 ms at each
 /// growth. Splitting keeps shards within about twice this.
-const R_SPLIT_LEN: usize = 2048;
+const R_SPLIT_LEN: usize = 4096;
 
 /// One rank x medium x group: engine hash -> (key, meta), plus its counters.
 ///
@@ -276,7 +276,9 @@ impl RTable {
         let bit = self.base;
         let high =
             (0..old.eh.len()).filter(|&i| old.meta[i] != 0 && (mix(old.eh[i]) >> 32) as usize & bit != 0).count();
-        let sized = |n: usize| RShard::new(next_cap(n + n / 2, MIN_CAP));
+        // Each half as full as a growth would leave it (0.6-0.9): room to spare here costs
+        // bytes per holder-block in every rank's table.
+        let sized = |n: usize| RShard::new(next_cap(n, MIN_CAP));
         let (mut lo, mut hi) = (sized(old.len - high), sized(high));
         for i in 0..old.eh.len() {
             if old.meta[i] != 0 {
