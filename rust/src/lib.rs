@@ -25,6 +25,8 @@ fn keep_freed_memory() {
 }
 
 pub mod decode;
+// The write half of the wire layout: the producer's sender encodes with it.
+pub mod encode;
 pub mod record;
 // The index, its keys and its Python bindings (issue 12's index/score half).
 pub mod fence;
@@ -43,5 +45,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     py_keys::register(m)?;
     pipeline::register(m)?;
     decode::py::register(m)?;
+    encode::py::register(m)?;
     Ok(())
 }
