@@ -1,8 +1,9 @@
 """Event-to-index lag: record timestamp -> applied, at offered loads up to saturation.
 
-Three processes, so the load generator never steals the consumer's GIL: this one (the
-conductor), a publisher (``KafkaPublisher``, one ``RankStream`` per simulated worker, paced
-``publish()`` calls) and an index member (``IndexMember`` with its defaults, e.g.
+The load comes from a fleet, so no generator steals the consumer's GIL or measures its own:
+this process (the conductor), ``--hosts`` publisher processes (each an engine host: its own
+``KafkaPublisher``, one ``RankStream`` per simulated worker it runs, paced ``publish()`` calls)
+and an index member (``IndexMember`` with its defaults, e.g.
 ``fetch_max_wait_ms=10``). Lag per record is ``applied wall clock - EventBatch.ts_us``: the
 ``publish()`` call time the producer stamps on the batch (the Kafka record timestamp is the
 same instant in ms), so it covers the publisher's queue, Kafka, the fetch, decode, fence and
@@ -13,7 +14,7 @@ Loads step up; after each level the conductor waits for the member to drain befo
 A level is saturated when the member applied < 95% of what was offered during it; the run
 stops at the first saturated level.
 
-    python -m bench.lag [--quick] [--rates R ...] [--seconds S]
+    python -m bench.lag [--quick] [--rates R ...] [--seconds S] [--hosts N]
 
 Writes bench/results/lag.json.
 """
@@ -30,11 +31,18 @@ import uuid
 
 import numpy as np
 
+from kvwire.producer.config import PublisherConfig
+
 from .common import write_result
 
 BLOCKS_PER_RECORD = 16
 WORKERS = 64
 PARTITIONS = 4
+# Publisher processes: a fleet runs one publisher per engine process, and one process
+# publishing for all 64 workers measured its own GIL (saturated at ~395k blocks/s offered, at
+# 93% of a core). Here the fleet shares this machine's 2 cores with the broker and the member,
+# so each host past two only adds contention: 4 hosts took p99 at 64k blocks/s from 12 to 44 ms.
+HOSTS = 2
 SATURATED = 0.95
 
 
@@ -50,7 +58,8 @@ def _worker_events(wl, w: int):
     return a, b + rm(a) + a + rm(b)
 
 
-def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
+def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_ms: int | None, cmds, results) -> None:
+    """One engine host of the fleet: its own KafkaPublisher for workers shard, shard+shards, ..."""
     import logging
 
     logging.basicConfig(level=logging.ERROR)
@@ -60,9 +69,12 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
 
     wl = Workload(seed=7)
     cfg = PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=PARTITIONS, heartbeat_interval_s=3600)
+    if linger_ms is not None:
+        cfg.linger_ms = linger_ms
     pub = KafkaPublisher(cfg)
+    mine = range(shard, WORKERS, shards)
     streams, cycles, pos = [], [], []
-    for w in range(WORKERS):
+    for w in mine:
         st = pub.stream(wl.workers[w], source="bench-lag")
         first, cyc = _worker_events(wl, w)
         for e in first:
@@ -70,6 +82,7 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
         streams.append(st)
         cycles.append(cyc)
         pos.append(0)
+    n_streams = len(streams)
 
     def acked() -> int:
         return sum(s.acked for s in pub.stats())
@@ -78,16 +91,17 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
         return sum(s.published for s in streams)
 
     deadline = time.monotonic() + 60
-    while acked() < published() + WORKERS and time.monotonic() < deadline:
+    while acked() < published() + n_streams and time.monotonic() < deadline:
         time.sleep(0.05)
-    results.put({"ready": True, "acked": acked()})
+    results.put({"shard": shard, "ready": True, "acked": acked()})
     while True:
         cmd = cmds.get()
         if cmd is None:
             break
-        rate, seconds = cmd
+        rate, seconds = cmd  # this host's share of the fleet's rate
         p0, a0 = published(), acked()
         drop0 = sum(s.dropped for s in streams)
+        cpu0 = time.process_time()
         n_target = int(rate * seconds)
         sent = 0
         w = 0
@@ -100,18 +114,20 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
                 cyc = cycles[w]
                 streams[w].publish([cyc[i]])
                 pos[w] = (i + 1) % len(cyc)
-                w = (w + 1) % WORKERS
+                w = (w + 1) % n_streams
                 sent += 1
             time.sleep(0.0005)
         t1 = time.time_ns() // 1000
         wall = time.perf_counter() - start
         p1 = published()
-        results.put({"window_end": True, "published": p1 - p0})
+        results.put({"shard": shard, "window_end": True, "published": p1 - p0})
         deadline = time.monotonic() + max(10.0, 2 * seconds)
         while acked() < a0 + (p1 - p0) and time.monotonic() < deadline:
             time.sleep(0.02)
         results.put(
             {
+                "shard": shard,
+                "cpu_s": time.process_time() - cpu0,
                 "rate": rate,
                 "t0_us": t0,
                 "t1_us": t1,
@@ -126,10 +142,22 @@ def _publisher_main(bootstrap: str, topic: str, cmds, results) -> None:
     pub.close(timeout=10)
 
 
+def _fleet_level(parts: list[dict], rate: int) -> dict:
+    """One level as the whole fleet saw it: the window spans every host's."""
+    total = lambda k: sum(p[k] for p in parts)
+    return {
+        "rate": rate,
+        "t0_us": min(p["t0_us"] for p in parts),
+        "t1_us": max(p["t1_us"] for p in parts),
+        "wall_s": max(p["wall_s"] for p in parts),
+        **{k: total(k) for k in ("calls", "published", "dropped", "acked", "acked_total", "cpu_s")},
+    }
+
+
 # ------------------------------------------------------------------ index member process
 
 
-def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str, fetch_max_wait_ms: int) -> None:
+def _member_main(bootstrap: str, topic: str, applied, cpu, ready, stop, out_path: str, fetch_max_wait_ms: int) -> None:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
@@ -185,6 +213,7 @@ def _member_main(bootstrap: str, topic: str, applied, ready, stop, out_path: str
         ready.set()
         while not stop.is_set():
             applied.value = member.applier.records
+            cpu.value = time.process_time()
             await asyncio.sleep(0.02)
         applied.value = member.applier.records
         await member.stop()
@@ -238,7 +267,35 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarr
         "publish_to_broker_append_ms": _pcts(to_broker),
         "broker_append_to_applied_ms": _pcts(from_broker),
         "drained_s": lvl.get("drained_s"),
+        # Process CPU (every thread) per record published in the level: the fleet's publishers
+        # (pacer loop, publish(), the sender's encode and aiokafka), the member (fetch, decode,
+        # fence, apply; its drain included) and the local broker.
+        "publisher_cpu_us_per_record": round(lvl["cpu_s"] / lvl["published"] * 1e6, 1) if lvl["published"] else None,
+        "member_cpu_us_per_record": round(lvl["member_cpu_s"] / lvl["published"] * 1e6, 1)
+        if lvl["published"] and lvl.get("member_cpu_s") is not None
+        else None,
+        "broker_cpu_us_per_record": round(lvl["broker_cpu_s"] / lvl["published"] * 1e6, 1)
+        if lvl["published"] and lvl.get("broker_cpu_s") is not None
+        else None,
     }
+
+
+def _broker_cpu_s() -> float | None:
+    """CPU seconds the local broker's JVM has used (every broker process of a local cluster);
+    None when no broker runs on this machine (a container's or another host's)."""
+    total, found = 0.0, False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"kafka.Kafka" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        found = True
+    return total if found else None
 
 
 async def _create_topic(bootstrap: str, topic: str) -> None:
@@ -249,40 +306,73 @@ async def _create_topic(bootstrap: str, topic: str) -> None:
     await ensure_topic(bootstrap, topic, PARTITIONS, {"message.timestamp.type": "LogAppendTime"})
 
 
-def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int = 10) -> dict:
+def run(
+    bootstrap: str,
+    rates: list[int],
+    seconds: float,
+    fetch_max_wait_ms: int = 10,
+    hosts: int = HOSTS,
+    linger_ms: int | None = None,
+) -> dict:
     ctx = mp.get_context("spawn")
     topic = f"bench-lag-{uuid.uuid4().hex[:8]}"
-    cmds, results = ctx.Queue(), ctx.Queue()
+    results = ctx.Queue()
+    cmds = [ctx.Queue() for _ in range(hosts)]
     asyncio.run(_create_topic(bootstrap, topic))
-    pub = ctx.Process(target=_publisher_main, args=(bootstrap, topic, cmds, results), daemon=True)
-    pub.start()
-    first = results.get(timeout=120)
+    pubs = [
+        ctx.Process(target=_publisher_main, args=(bootstrap, topic, h, hosts, linger_ms, cmds[h], results), daemon=True)
+        for h in range(hosts)
+    ]
+    for p in pubs:
+        p.start()
+    held: list[dict] = []
+
+    def collect(kind: str, timeout: float) -> list[dict]:
+        """One message of `kind` from every host; the others' messages of other kinds wait."""
+        got = [m for m in held if kind in m]
+        for m in got:
+            held.remove(m)
+        deadline = time.monotonic() + timeout
+        while len(got) < hosts:
+            m = results.get(timeout=max(0.1, deadline - time.monotonic()))
+            (got if kind in m else held).append(m)
+        return got
+
+    first = collect("ready", 120)
     applied, ready, stop = ctx.Value("q", 0, lock=False), ctx.Event(), ctx.Event()
+    member_cpu = ctx.Value("d", 0.0, lock=False)
     out = os.path.join(tempfile.mkdtemp(prefix="kvwire-lag-"), "samples.npz")
     mem = ctx.Process(
-        target=_member_main, args=(bootstrap, topic, applied, ready, stop, out, fetch_max_wait_ms), daemon=True
+        target=_member_main,
+        args=(bootstrap, topic, applied, member_cpu, ready, stop, out, fetch_max_wait_ms),
+        daemon=True,
     )
     mem.start()
     levels = []
     try:
         if not ready.wait(120):
             raise RuntimeError("index member never became ready")
-        total = first["acked"]
+        total = sum(m["acked"] for m in first)
         deadline = time.monotonic() + 60
         while applied.value < total and time.monotonic() < deadline:
             time.sleep(0.05)
         for rate in rates:
-            a_start = applied.value
-            cmds.put((rate, seconds))
-            win = results.get(timeout=seconds * 4 + 60)
-            kept_up = (applied.value - a_start) / max(1, win["published"])
-            lvl = results.get(timeout=seconds * 4 + 60)
+            a_start, cpu_start, broker_start = applied.value, member_cpu.value, _broker_cpu_s()
+            for h in range(hosts):
+                cmds[h].put((rate / hosts, seconds))
+            published = sum(m["published"] for m in collect("window_end", seconds * 4 + 60))
+            kept_up = (applied.value - a_start) / max(1, published)
+            lvl = _fleet_level(collect("rate", seconds * 4 + 60), rate)
             total = lvl["acked_total"]
             t = time.monotonic()
             deadline = t + max(15.0, 3 * seconds)
             while applied.value < total and time.monotonic() < deadline:
                 time.sleep(0.02)
             lvl["drained_s"] = round(time.monotonic() - t, 2) if applied.value >= total else None
+            time.sleep(0.05)  # the member's next report covers the drain
+            lvl["member_cpu_s"] = member_cpu.value - cpu_start
+            broker_end = _broker_cpu_s()
+            lvl["broker_cpu_s"] = broker_end - broker_start if broker_start is not None and broker_end else None
             levels.append(lvl)
             print(
                 f"  offered {lvl['published'] / seconds:>8.0f} rec/s  acked {lvl['acked']:>7}  dropped {lvl['dropped']:>6}  "
@@ -292,11 +382,13 @@ def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int
             if kept_up < SATURATED - 0.02:  # saturated: higher loads only measure a growing backlog
                 break
     finally:
-        cmds.put(None)
+        for q in cmds:
+            q.put(None)
         stop.set()
         mem.join(60)
-        pub.join(30)
-        for p in (mem, pub):
+        for p in pubs:
+            p.join(30)
+        for p in (mem, *pubs):
             if p.is_alive():
                 p.terminate()
     d = np.load(out)
@@ -319,7 +411,10 @@ def run(bootstrap: str, rates: list[int], seconds: float, fetch_max_wait_ms: int
             "blocks_per_record": BLOCKS_PER_RECORD,
             "seconds_per_level": seconds,
             "fetch_max_wait_ms": fetch_max_wait_ms,
-            "processes": "publisher, index member and conductor are separate processes; the broker shares the machine",
+            "publisher_hosts": hosts,
+            "linger_ms": linger_ms if linger_ms is not None else PublisherConfig.linger_ms,
+            "processes": f"{hosts} publisher processes ({WORKERS // hosts} workers each, a fleet's engine hosts), "
+            "the index member and the conductor are separate processes; the broker shares the machine",
         },
         "levels": rows,
         "saturated_at_offered_blocks_per_s": sat["offered_blocks_per_s"] if sat else None,
@@ -338,6 +433,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rates", type=int, nargs="*", default=None, help="offered records/s per level (16 blocks each)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per level")
     ap.add_argument("--fetch-max-wait-ms", type=int, default=10, help="the member's (IndexMember default: 10)")
+    ap.add_argument("--linger-ms", type=int, default=None, help="the publishers' (default: PublisherConfig's)")
+    ap.add_argument("--hosts", type=int, default=HOSTS, help=f"publisher processes (default {HOSTS})")
     ap.add_argument("--bootstrap", default=None)
     a = ap.parse_args(argv)
     bootstrap = a.bootstrap
@@ -346,12 +443,30 @@ def main(argv=None) -> None:
 
         bootstrap = resolve_bootstrap()
     rates = a.rates or (
-        [250, 1000, 3000, 6000, 10000, 16000]
+        [250, 1000, 3000, 6000, 10000, 16000, 24000, 32000]
         if a.quick
-        else [250, 500, 1000, 2000, 3000, 4500, 6000, 8000, 10000, 13000, 16000, 20000]
+        else [
+            250,
+            500,
+            1000,
+            2000,
+            3000,
+            4500,
+            6000,
+            8000,
+            10000,
+            13000,
+            16000,
+            20000,
+            24000,
+            28000,
+            32000,
+            36000,
+            40000,
+        ]
     )
     seconds = a.seconds or (3.0 if a.quick else 6.0)
-    res = run(bootstrap, rates, seconds, a.fetch_max_wait_ms)
+    res = run(bootstrap, rates, seconds, a.fetch_max_wait_ms, a.hosts, a.linger_ms)
     for r in res["levels"]:
         print(
             f"offered {r['offered_blocks_per_s']:>9,} blocks/s  applied {r['applied_blocks_per_s']:>9,}  "
