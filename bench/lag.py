@@ -44,6 +44,8 @@ PARTITIONS = 4
 # so each host past two only adds contention: 4 hosts took p99 at 64k blocks/s from 12 to 44 ms.
 HOSTS = 2
 SATURATED = 0.95
+# Issue 25's lag target holds at this offered load and above.
+TARGET_BLOCKS_PER_S = 500_000
 
 
 # ------------------------------------------------------------------ publisher process
@@ -403,6 +405,14 @@ def run(
         if r is not sat and r["applied_over_offered"] is not None and r["applied_over_offered"] >= SATURATED
     ]
     top = max(ok, key=lambda r: r["offered_records_per_s"]) if ok else None
+    # The issue's target is a p99 at >= 500k blocks/s offered: the first unsaturated level there
+    # is the one the summary reports; below that load, the highest unsaturated one.
+    at_target = min(
+        (r for r in ok if r["offered_blocks_per_s"] >= TARGET_BLOCKS_PER_S),
+        key=lambda r: r["offered_records_per_s"],
+        default=None,
+    )
+    reported = at_target or top
     return {
         "what": "record timestamp (publish() call) -> applied in the index member, milliseconds",
         "params": {
@@ -421,8 +431,10 @@ def run(
         "max_unsaturated": {"offered_blocks_per_s": top["offered_blocks_per_s"], "lag_ms": top["lag_ms"]}
         if top
         else None,
-        "lag_p50_ms": top["lag_ms"]["p50"] if top else None,
-        "lag_p99_ms": top["lag_ms"]["p99"] if top else None,
+        "top_offered_blocks_per_s": max((r["offered_blocks_per_s"] for r in rows), default=None),
+        "lag_reported_at_offered_blocks_per_s": reported["offered_blocks_per_s"] if reported else None,
+        "lag_p50_ms": reported["lag_ms"]["p50"] if reported else None,
+        "lag_p99_ms": reported["lag_ms"]["p99"] if reported else None,
         "holder_blocks_at_end": int(d["holder_blocks"]),
     }
 

@@ -241,8 +241,15 @@ def results_table(res: Results) -> str:
         _soak_row(res),
         (
             "Event-to-index lag p99 (publish() to applied)",
-            f"{fmt(g('lag_p99_ms'), ' ms')} at {fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))} blocks/s "
-            f"offered; saturates at {fmt(lg.get('saturated_at_offered_blocks_per_s'))}",
+            f"{fmt(g('lag_p99_ms'), ' ms')} at {fmt(lg.get('lag_reported_at_offered_blocks_per_s'))} blocks/s "
+            f"offered; {fmt(_get(lg, 'max_unsaturated', 'lag_ms', 'p99'), ' ms')} at "
+            f"{fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))}; "
+            + (
+                f"saturates at {fmt(lg['saturated_at_offered_blocks_per_s'])}"
+                if lg.get("saturated_at_offered_blocks_per_s")
+                else f"no saturation up to {fmt(lg.get('top_offered_blocks_per_s'))}"
+            )
+            + f" ({_get(lg, 'params', 'publisher_hosts')} publisher processes, the broker and the member on 2 CPUs)",
             f"none with its source here ({ANCHORS}: event-to-index lag that nobody measures)",
         ),
         (

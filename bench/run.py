@@ -250,10 +250,13 @@ def summarize(res: dict, errors: dict) -> dict:
     if lg and lg.get("lag_p99_ms") is not None:
         s["lag_p99_ms"] = lg["lag_p99_ms"]
         mu = lg["max_unsaturated"]
+        at = lg.get("lag_reported_at_offered_blocks_per_s") or mu["offered_blocks_per_s"]
+        sat = lg.get("saturated_at_offered_blocks_per_s")
         notes["lag_p99_ms"] = (
-            f"publish() -> applied, at the highest unsaturated offered load "
-            f"({mu['offered_blocks_per_s']:,} blocks/s); saturated at "
-            f"{lg.get('saturated_at_offered_blocks_per_s')} blocks/s offered"
+            f"publish() -> applied, at {at:,} blocks/s offered (the first unsaturated level at >= 500k, "
+            f"else the highest unsaturated); p99 {mu['lag_ms']['p99']} ms at the highest unsaturated level "
+            f"({mu['offered_blocks_per_s']:,} blocks/s); "
+            + (f"saturated at {sat:,} blocks/s offered" if sat else "no level saturated")
         )
     elif lg:
         notes["lag_p99_ms"] = "null: no offered load stayed below saturation"
