@@ -249,7 +249,17 @@ def results_table(res: Results) -> str:
                 if lg.get("saturated_at_offered_blocks_per_s")
                 else f"no saturation up to {fmt(lg.get('top_offered_blocks_per_s'))}"
             )
-            + f" ({_get(lg, 'params', 'publisher_hosts')} publisher processes, the broker and the member on 2 CPUs)",
+            + f" ({_get(lg, 'params', 'publisher_hosts')} publisher process, the broker and the member on 2 CPUs)"
+            + "".join(
+                f"; {h} publisher processes: {fmt(f.get('lag_p99_ms'), ' ms')} at "
+                f"{fmt(f.get('lag_reported_at_offered_blocks_per_s'))}"
+                + (
+                    f", saturates at {fmt(f['saturated_at_offered_blocks_per_s'])}"
+                    if f.get("saturated_at_offered_blocks_per_s")
+                    else ""
+                )
+                for h, f in sorted((lg.get("fleet") or {}).items())
+            ),
             f"none with its source here ({ANCHORS}: event-to-index lag that nobody measures)",
         ),
         (

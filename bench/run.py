@@ -257,6 +257,12 @@ def summarize(res: dict, errors: dict) -> dict:
             f"else the highest unsaturated); p99 {mu['lag_ms']['p99']} ms at the highest unsaturated level "
             f"({mu['offered_blocks_per_s']:,} blocks/s); "
             + (f"saturated at {sat:,} blocks/s offered" if sat else "no level saturated")
+            + f"; {lg['params']['publisher_hosts']} publisher process"
+            + "".join(
+                f"; with {h} publisher processes: p99 {f.get('lag_p99_ms')} ms at "
+                f"{f.get('lag_reported_at_offered_blocks_per_s') or 0:,} blocks/s"
+                for h, f in sorted((lg.get("fleet") or {}).items())
+            )
         )
     elif lg:
         notes["lag_p99_ms"] = "null: no offered load stayed below saturation"
