@@ -331,9 +331,11 @@ def codec_paragraph(res: Results) -> str:
     return (
         f"Codec representation (`python -m bench.codec`, {fmt(bpr)} blocks per record): token ids and hashes "
         f"packed in Avro `bytes` decode with fastavro at {fmt(packed.get('decode_records_per_s'))} records/s "
-        f"({fmt(packed.get('decode_blocks_per_s'))} blocks/s) and encode at {fmt(packed.get('encode_records_per_s'))} "
+        f"({fmt(packed.get('decode_blocks_per_s'))} blocks/s) and encode (`codec.encode`: the core's writer, "
+        f"fastavro's rules) at {fmt(packed.get('encode_records_per_s'))} "
         f"records/s, {fmt(packed.get('bytes_per_block'))} B per block; the same contract with `array<long>` decodes "
-        f"at {fmt(arr.get('decode_records_per_s'))} records/s and encodes at {fmt(arr.get('encode_records_per_s'))} "
+        f"at {fmt(arr.get('decode_records_per_s'))} records/s and encodes (fastavro) at "
+        f"{fmt(arr.get('encode_records_per_s'))} "
         f"records/s, {fmt(arr.get('bytes_per_block'))} B per block{extra}."
     )
 
