@@ -293,3 +293,22 @@ def test_close_with_no_broker_returns_and_counts():
     pub.close(timeout=0.5)
     st = s.stats()
     assert (st.published, st.dropped, st.sent, st.lost, st.queued) == (1, 1, 0, 2, 0)
+
+
+async def test_acks_name_each_records_own_partition_and_offset(kafka_bootstrap):
+    """Records go to aiokafka a batch per partition: each ack's offset is its base offset plus
+    the record's place in the batch, and must be where the broker holds that very record."""
+    topic = fresh_topic()
+    acks = []
+    pub = KafkaPublisher(config(kafka_bootstrap, topic, partitions=3), on_ack=acks.append)
+    streams = [pub.stream(WorkerId(f"ack{w}", w % 2)) for w in range(6)]
+    for i in range(1500):  # faster than the pump's passes: batches of many records each
+        assert streams[i % 6].publish(one_block(i))
+    pub.close()
+    records = await read_all(kafka_bootstrap, topic, 3)
+    held = {(part, off): (b.worker.rank, b.epoch, b.seq) for part, off, _h, b in records}
+    assert len(acks) == len(records) == 1500 + 6  # each stream's reset record first
+    assert {(a.partition, a.offset): (a.worker.rank, a.epoch, a.seq) for a in acks} == held
+    for s in streams:
+        st = s.stats()
+        assert (st.published, st.sent, st.acked, st.failed, st.queued) == (250, 251, 251, 0, 0)
