@@ -8,7 +8,7 @@ from kvwire.schemas.events import EventBatch
 
 __version__: str
 
-# ---------------------------------------------------------------- decoder (rust/src/decode/)
+# ---------------------------------------------------------------- decoder (rust/src/decode/) and encoder (rust/src/encode/)
 
 # {writer schema version: its CRC-64-AVRO fingerprint as framed on the wire} for every version the
 # fast path is specialised to.
@@ -19,6 +19,12 @@ def decode_record(value: object, /) -> EventBatch | None:
 
 def decline_reason(value: object, /) -> str | None:
     """Why the fast path declines a value; None when it decodes it."""
+
+ENCODE_VERSION: int
+
+def encode_record(header: bytes, record: dict[str, Any], /) -> bytes | None:
+    """header + the record's body in schema version ENCODE_VERSION, from the dict
+    codec.batch_to_record builds; None when the fast path declines its values."""
 
 def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
     """Decode to Rust records and drop them: (records decoded, their blocks, indices declined)."""
