@@ -63,6 +63,17 @@ def _worker_events(wl, w: int):
     return a, b + rm(a) + a + rm(b)
 
 
+def _sender_cpu_s() -> float:
+    """CPU seconds of this process's kvwire-publisher thread (the sender: numbering, encode,
+    aiokafka), apart from the bench's pacing loop that stands in for the engine."""
+    import threading
+
+    tid = next(t.native_id for t in threading.enumerate() if t.name == "kvwire-publisher")
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_ms: int | None, cmds, results) -> None:
     """One engine host of the fleet: its own KafkaPublisher for workers shard, shard+shards, ..."""
     import logging
@@ -106,7 +117,7 @@ def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_
         rate, seconds = cmd  # this host's share of the fleet's rate
         p0, a0 = published(), acked()
         drop0 = sum(s.dropped for s in streams)
-        cpu0 = time.process_time()
+        cpu0, sender0 = time.process_time(), _sender_cpu_s()
         n_target = int(rate * seconds)
         sent = 0
         w = 0
@@ -133,6 +144,7 @@ def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_
             {
                 "shard": shard,
                 "cpu_s": time.process_time() - cpu0,
+                "sender_cpu_s": _sender_cpu_s() - sender0,
                 "rate": rate,
                 "t0_us": t0,
                 "t1_us": t1,
@@ -155,7 +167,7 @@ def _fleet_level(parts: list[dict], rate: int) -> dict:
         "t0_us": min(p["t0_us"] for p in parts),
         "t1_us": max(p["t1_us"] for p in parts),
         "wall_s": max(p["wall_s"] for p in parts),
-        **{k: total(k) for k in ("calls", "published", "dropped", "acked", "acked_total", "cpu_s")},
+        **{k: total(k) for k in ("calls", "published", "dropped", "acked", "acked_total", "cpu_s", "sender_cpu_s")},
     }
 
 
@@ -276,6 +288,11 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarr
         # (pacer loop, publish(), the sender's encode and aiokafka), the member (fetch, decode,
         # fence, apply; its drain included) and the local broker.
         "publisher_cpu_us_per_record": round(lvl["cpu_s"] / lvl["published"] * 1e6, 1) if lvl["published"] else None,
+        # Of which the sender thread's, kvwire's own cost on an engine host (the rest is the
+        # bench's pacing loop and the publish() calls it makes).
+        "sender_cpu_us_per_record": round(lvl["sender_cpu_s"] / lvl["published"] * 1e6, 1)
+        if lvl["published"]
+        else None,
         "member_cpu_us_per_record": round(lvl["member_cpu_s"] / lvl["published"] * 1e6, 1)
         if lvl["published"] and lvl.get("member_cpu_s") is not None
         else None,
