@@ -44,7 +44,7 @@ PARTITIONS = 4
 # a publisher per engine host: here each extra host spends ~10 us more CPU a record (its own
 # pacing loop, sender loop and produce requests) on the same 2 CPUs as the broker and the
 # member, which at 512k takes the machine from ~1.5 to ~1.9 CPUs busy; its tail then measures
-# that contention (p99 at 512k in three runs each: 99, 186 and 226 ms at 2 hosts; 14, 19 and 23 at 1).
+# that contention (p99 at 512k in four runs: 36 to 226 ms at 2 hosts; 14 to 29 ms at 1).
 HOSTS = (1, 2)
 SATURATED = 0.95
 # Issue 25's lag target holds at this offered load and above.
