@@ -71,6 +71,9 @@ NAMESPACE = "dev.kvwire"
 _STORED = f"{NAMESPACE}.BlockStored"
 _REMOVED = f"{NAMESPACE}.BlockRemoved"
 _CLEARED = f"{NAMESPACE}.AllBlocksCleared"
+# The events union's branch names, in the union's order, as batch_to_record tags events
+# (fastavro's tuple notation). The core's encoder reads them from here.
+EVENT_BRANCHES = (_STORED, _REMOVED, _CLEARED)
 _BIG_ENDIAN = sys.byteorder == "big"
 _U64_MAX = (1 << 64) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1

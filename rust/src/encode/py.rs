@@ -5,24 +5,25 @@
 
 use pyo3::intern;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use typed_arena::Arena;
 
 use super::{encode_into, VERSION};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Removed, Scalar, Stored, Worker};
 
-/// The union branch names `codec.batch_to_record` gives events (fastavro's tuple notation).
-const STORED: &str = "dev.kvwire.BlockStored";
-const REMOVED: &str = "dev.kvwire.BlockRemoved";
-const CLEARED: &str = "dev.kvwire.AllBlocksCleared";
+/// `codec.EVENT_BRANCHES`: the names `codec.batch_to_record` tags events with, in the union's
+/// order (stored, removed, cleared).
+static BRANCHES: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// `header` followed by the record's body in schema version `ENCODE_VERSION`, or `None` when
 /// the fast path declines the values.
 #[pyfunction]
 pub fn encode_record<'py>(py: Python<'py>, header: &[u8], record: &Bound<'py, PyDict>) -> Option<Bound<'py, PyBytes>> {
+    let branches = BRANCHES.import(py, "kvwire.schemas.codec", "EVENT_BRANCHES").ok()?.cast::<PyTuple>().ok()?;
     // Every value a record borrows from lives here until its bytes are written.
     let arena = Arena::new();
-    let r = Values { arena: &arena }.record(record)?;
+    let r = Values { arena: &arena, branches }.record(record)?;
     let mut out = Vec::with_capacity(header.len() + 256);
     out.extend_from_slice(header);
     encode_into(&r, &mut out);
@@ -37,6 +38,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// Reads values of exactly the Python types fastavro writes plainly; `None` otherwise.
 struct Values<'a, 'py> {
     arena: &'a Arena<Bound<'py, PyAny>>,
+    branches: &'a Bound<'py, PyTuple>,
 }
 
 impl<'a, 'py> Values<'a, 'py> {
@@ -115,13 +117,16 @@ impl<'a, 'py> Values<'a, 'py> {
         if t.len() != 2 {
             return None;
         }
-        let name = self.keep(t.get_item(0).ok()?);
+        let name = t.get_item(0).ok()?;
         let body = self.dict(self.keep(t.get_item(1).ok()?))?;
-        match self.str(name)? {
-            STORED => Some(Event::Stored(self.stored(body)?)),
-            REMOVED => Some(Event::Removed(self.removed(body)?)),
-            CLEARED => Some(Event::Cleared),
-            _ => None,
+        // batch_to_record tags with the very strings of EVENT_BRANCHES: identity first.
+        let branch = (0..3)
+            .find(|&i| self.branches.get_item(i).is_ok_and(|b| b.is(&name)))
+            .or_else(|| (0..3).find(|&i| self.branches.get_item(i).is_ok_and(|b| b.eq(&name).unwrap_or(false))))?;
+        match branch {
+            0 => Some(Event::Stored(self.stored(body)?)),
+            1 => Some(Event::Removed(self.removed(body)?)),
+            _ => Some(Event::Cleared),
         }
     }
 
