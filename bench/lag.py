@@ -69,9 +69,14 @@ def _sender_cpu_s() -> float:
     import threading
 
     tid = next(t.native_id for t in threading.enumerate() if t.name == "kvwire-publisher")
-    with open(f"/proc/self/task/{tid}/stat") as f:
+    return _stat_cpu_s(f"/proc/self/task/{tid}/stat")
+
+
+def _stat_cpu_s(stat_path: str) -> float:
+    """utime + stime, in seconds, of the process or thread whose /proc stat file this is."""
+    with open(stat_path) as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_ms: int | None, cmds, results) -> None:
@@ -311,11 +316,9 @@ def _broker_cpu_s() -> float | None:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"kafka.Kafka" not in f.read():
                     continue
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+            total += _stat_cpu_s(f"/proc/{pid}/stat")
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
         found = True
     return total if found else None
 

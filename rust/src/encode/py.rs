@@ -119,10 +119,9 @@ impl<'a, 'py> Values<'a, 'py> {
         }
         let name = t.get_item(0).ok()?;
         let body = self.dict(self.keep(t.get_item(1).ok()?))?;
-        // batch_to_record tags with the very strings of EVENT_BRANCHES: identity first.
-        let branch = (0..3)
-            .find(|&i| self.branches.get_item(i).is_ok_and(|b| b.is(&name)))
-            .or_else(|| (0..3).find(|&i| self.branches.get_item(i).is_ok_and(|b| b.eq(&name).unwrap_or(false))))?;
+        // batch_to_record tags with the very strings of EVENT_BRANCHES, which str equality
+        // answers by identity first.
+        let branch = (0..3).find(|&i| self.branches.get_item(i).is_ok_and(|b| b.eq(&name).unwrap_or(false)))?;
         match branch {
             0 => Some(Event::Stored(self.stored(body)?)),
             1 => Some(Event::Removed(self.removed(body)?)),
