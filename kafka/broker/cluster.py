@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,13 +108,18 @@ class LocalCluster:
         reports all of them registered."""
         for n in self.nodes:
             n.start(wait=False)
-        self.wait_brokers(self.size)
+        self.wait_brokers(self.size, require=range(1, self.size + 1))
         return self.bootstrap
 
     def start_node(self, i: int) -> None:
-        """Restart one node (same data dir) and wait until the cluster counts it again."""
-        self.nodes[i].start(wait=False)
-        self.wait_brokers(self.live_nodes())
+        """Restart one node (same data dir) and wait until it serves again and the cluster lists
+        it. Counting brokers alone is not enough: right after a SIGKILL the controller still
+        lists the dead incarnation until its session times out, so the count is already met
+        while the new JVM is seconds from answering (a topic created then got two replicas)."""
+        node = self.nodes[i]
+        node.start(wait=False)
+        node.wait_ready()  # its own listener serves: registered and unfenced
+        self.wait_brokers(self.live_nodes(), require={i + 1})
 
     def kill_node(self, i: int) -> None:
         """SIGKILL: no controlled shutdown, leadership moves only once the controller fences it."""
@@ -146,19 +151,19 @@ class LocalCluster:
     def status(self) -> ClusterStatus:
         return ClusterStatus(self.bootstrap, [n.pid() is not None and probe.answers(n.bootstrap) for n in self.nodes])
 
-    def wait_brokers(self, count: int, timeout_s: float | None = None) -> None:
-        """Until some node's metadata lists ``count`` registered brokers."""
+    def wait_brokers(self, count: int, timeout_s: float | None = None, *, require: Collection[int] = ()) -> None:
+        """Until some node's metadata lists ``count`` registered brokers, ``require``'s ids among them."""
         deadline = time.monotonic() + (timeout_s or self.start_timeout_s)
         # Probing nodes that are still starting makes aiokafka log a connection error per try.
         quiet = logging.getLogger("aiokafka")
         level = quiet.level
         quiet.setLevel(logging.CRITICAL)
         try:
-            self._wait_brokers(count, deadline)
+            self._wait_brokers(count, deadline, require)
         finally:
             quiet.setLevel(level)
 
-    def _wait_brokers(self, count: int, deadline: float) -> None:
+    def _wait_brokers(self, count: int, deadline: float, require: Collection[int]) -> None:
         last: Any = None
         while time.monotonic() < deadline:
             for n in self.nodes:
@@ -169,9 +174,10 @@ class LocalCluster:
                 except Exception as e:
                     last = e
                     continue
-                if len(desc.get("brokers") or ()) >= count:
+                ids = {b["node_id"] for b in desc.get("brokers") or ()}
+                if len(ids) >= count and ids.issuperset(require):
                     return
-                last = f"{len(desc.get('brokers') or ())} brokers registered"
+                last = f"brokers {sorted(ids)} registered"
             time.sleep(0.5)
         tails = "\n".join(f"--- node {i}:\n{n.log_tail(15)}" for i, n in enumerate(self.nodes))
         raise BrokerError(f"cluster not at {count} brokers after the timeout ({last!r}); log tails:\n{tails}")

@@ -36,6 +36,7 @@ from oracle_feed import (
 
 from kvwire.consumer.ingest import IndexMember, IngestConfig
 from kvwire.consumer.snapshot import snapshot_store
+from kvwire.kafka.broker import probe
 
 pytestmark = pytest.mark.integration
 
@@ -118,6 +119,18 @@ async def check_against_oracle(fleet: Fleet, member: IndexMember, bootstrap: str
 
 
 # ---------------------------------------------------------------- faults
+
+
+async def test_a_restarted_node_serves_once_start_node_returns(kafka_cluster):
+    """The other faults restart what they kill and the next test trusts three live brokers: a
+    start_node that returned while the new JVM was still starting (the dead incarnation was still
+    listed) let the next test create its topic on two."""
+    node = len(kafka_cluster.nodes) - 1
+    await asyncio.to_thread(kafka_cluster.kill_node, node)
+    await asyncio.to_thread(kafka_cluster.start_node, node)
+    # Its own listener serves only once it has caught up and been unfenced: its view is current.
+    desc = await probe.describe_cluster(kafka_cluster.nodes[node].bootstrap)
+    assert {b["node_id"] for b in desc["brokers"]} == set(range(1, len(kafka_cluster.nodes) + 1))
 
 
 async def test_partition_leader_killed_mid_stream(kafka_cluster):
