@@ -3,9 +3,12 @@
 Replication comes from configuration, never from a constant: ``replication_factor`` and
 ``min_insync_replicas`` passed in, else ``$KVWIRE_REPLICATION_FACTOR`` and
 ``$KVWIRE_MIN_INSYNC_REPLICAS``, else the defaults below. The default replication factor is
-min(3, live brokers): three copies where the cluster has them, and a single dev broker still
-works. The default ``min.insync.replicas`` is 2 from three replicas on (an acks=all write then
-survives the loss of any one broker without being refused), 1 below.
+min(3, registered brokers): three copies where the cluster has them, and a single dev broker
+still works. Registered, not live: a broker down for a restart still counts (DescribeCluster
+v2, kvwire.kafka.describe_cluster), so a topic created meanwhile still gets three replicas
+(KRaft places one on the fenced broker, which catches up when it is back) instead of two for
+the topic's life. The default ``min.insync.replicas`` is 2 from three replicas on (an acks=all
+write then survives the loss of any one broker without being refused), 1 below.
 
 A topic that already exists is left as it is (its partitions are returned): kvwire never
 changes an operator's topic.
@@ -18,6 +21,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from .describe_cluster import registered_brokers
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +37,7 @@ class TopicError(RuntimeError):
 
 @dataclass(frozen=True)
 class Replication:
-    replication_factor: int | None = None  # None: min(3, live brokers)
+    replication_factor: int | None = None  # None: min(3, registered brokers)
     min_insync_replicas: int | None = None  # None: 2 from RF 3 on, else 1
 
     def __post_init__(self) -> None:
@@ -61,19 +66,23 @@ class Replication:
 
         return cls(pick("replication_factor", RF_ENV), pick("min_insync_replicas", MIN_ISR_ENV))
 
-    def resolve(self, live_brokers: int) -> tuple[int, int]:
-        """(replication factor, min.insync.replicas) for a cluster of ``live_brokers``."""
-        rf = self.replication_factor or max(1, min(MAX_DEFAULT_RF, live_brokers))
+    def resolve(self, brokers: int) -> tuple[int, int]:
+        """(replication factor, min.insync.replicas) for a cluster of ``brokers``."""
+        rf = self.replication_factor or max(1, min(MAX_DEFAULT_RF, brokers))
         isr = self.min_insync_replicas or (2 if rf >= 3 else 1)
         if isr > rf:
             raise ValueError(f"min.insync.replicas {isr} exceeds the replication factor {rf}")
         return rf, isr
 
 
-async def live_brokers(admin: Any) -> int:
-    """Brokers the cluster reports as registered now."""
-    desc = await admin.describe_cluster()
-    return len(desc.get("brokers") or ()) or 1
+async def cluster_brokers(admin: Any) -> int:
+    """Brokers registered with the cluster, fenced (down) ones included; brokers before Kafka
+    4.0 cannot say, and then the ones up now are counted."""
+    registered = await registered_brokers(admin)
+    if registered is None:
+        desc = await admin.describe_cluster()
+        return len(desc.get("brokers") or ()) or 1
+    return len(registered) or 1
 
 
 async def partition_count(admin: Any, topic: str) -> int | None:
@@ -117,7 +126,7 @@ async def ensure_topics(
         have = {n: await partition_count(admin, n) if n in existing else None for n in names}
         missing = [n for n, p in have.items() if p is None]
         if missing:
-            rf, isr = repl.resolve(await live_brokers(admin))
+            rf, isr = repl.resolve(await cluster_brokers(admin))
             cfg = {"min.insync.replicas": str(isr), **(config or {})}
             resp = await admin.create_topics(
                 [NewTopic(n, partitions, rf, topic_configs=cfg) for n in missing], timeout_ms

@@ -26,7 +26,7 @@ class PublisherConfig:
     topic: str = "kvwire.events"
     # Used only when the topic does not exist yet.
     partitions: int = 12
-    # None: $KVWIRE_REPLICATION_FACTOR, else min(3, live brokers) (kvwire.kafka.topics).
+    # None: $KVWIRE_REPLICATION_FACTOR, else min(3, registered brokers) (kvwire.kafka.topics).
     replication_factor: int | None = None
     # None: $KVWIRE_MIN_INSYNC_REPLICAS, else 2 from three replicas on (kvwire.kafka.topics).
     min_insync_replicas: int | None = None

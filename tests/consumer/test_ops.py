@@ -67,7 +67,7 @@ async def test_healthz_is_503_with_the_reason_while_unhealthy():
         (3, {"KVWIRE_MIN_INSYNC_REPLICAS": "3"}, (3, 3)),
     ],
 )
-def test_replication_defaults_follow_the_live_brokers(brokers, env, want):
+def test_replication_defaults_follow_the_cluster_size(brokers, env, want):
     assert Replication.from_env(env).resolve(brokers) == want
 
 

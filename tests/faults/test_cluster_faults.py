@@ -21,6 +21,7 @@ import uuid
 
 import pytest
 from aiokafka import AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient
 from oracle_feed import (
     Fleet,
     applier_scores,
@@ -46,8 +47,6 @@ pytestmark = pytest.mark.integration
 
 async def partitions(bootstrap: str, topic: str) -> list[dict]:
     """Per partition: leader, replicas, isr (broker ids)."""
-    from aiokafka.admin import AIOKafkaAdminClient
-
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
@@ -58,7 +57,6 @@ async def partitions(bootstrap: str, topic: str) -> list[dict]:
 
 
 async def topic_config(bootstrap: str, topic: str, name: str) -> str | None:
-    from aiokafka.admin import AIOKafkaAdminClient
     from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
@@ -119,6 +117,41 @@ async def check_against_oracle(fleet: Fleet, member: IndexMember, bootstrap: str
 
 
 # ---------------------------------------------------------------- faults
+
+
+async def test_a_topic_made_while_a_broker_is_down_still_gets_three_replicas(kafka_cluster):
+    """Counting the brokers that are up gave a topic created during a restart two replicas for
+    its whole life. kvwire counts the registered ones (DescribeCluster v2): the down broker gets
+    its replica, fenced, and catches up once it is back."""
+    from kvwire.kafka.describe_cluster import registered_brokers
+    from kvwire.kafka.topics import ensure_topics
+
+    node = 0
+    topic = f"faults-made-while-down-{uuid.uuid4().hex[:8]}"
+    up = ",".join(n.bootstrap for i, n in enumerate(kafka_cluster.nodes) if i != node)
+    await asyncio.to_thread(kafka_cluster.kill_node, node)
+    try:
+
+        async def fenced() -> bool:
+            desc = await probe.describe_cluster(up)
+            return node + 1 not in {b["node_id"] for b in desc["brokers"]}
+
+        await wait_until(fenced, 60, "the killed broker fenced", every=0.5)
+        admin = AIOKafkaAdminClient(bootstrap_servers=up)
+        await admin.start()
+        try:
+            registered = await registered_brokers(admin)
+        finally:
+            await admin.close()
+        assert registered == {1: True, 2: False, 3: False}
+        await ensure_topics(up, [topic], 2)
+        parts = await partitions(up, topic)
+        assert [len(p["replicas"]) for p in parts] == [3, 3], parts
+        assert all(node + 1 not in p["isr"] for p in parts)
+    finally:
+        await asyncio.to_thread(kafka_cluster.start_node, node)
+    await wait_fully_replicated(kafka_cluster.bootstrap, [topic])
+    await assert_replicated(kafka_cluster.bootstrap, topic)
 
 
 async def test_a_restarted_node_serves_once_start_node_returns(kafka_cluster):
