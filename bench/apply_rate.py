@@ -29,6 +29,7 @@ import time
 import uuid
 
 from kvwire import _core
+from kvwire.producer.config import PublisherConfig
 from kvwire.schemas import codec
 from kvwire.schemas.events import EventBatch
 
@@ -66,7 +67,6 @@ async def fill(bootstrap: str, topic: str, records) -> float:
     from aiokafka import AIOKafkaProducer
 
     from kvwire.kafka.topics import ensure_topic
-    from kvwire.producer.config import _default_compression
     from kvwire.producer.partitioner import default_partition
 
     await ensure_topic(bootstrap, topic, PARTITIONS)
@@ -74,7 +74,7 @@ async def fill(bootstrap: str, topic: str, records) -> float:
         bootstrap_servers=bootstrap,
         linger_ms=20,
         max_batch_size=1 << 20,
-        compression_type=_default_compression(),
+        compression_type=PublisherConfig().compression_type,
         acks=1,
     )
     await p.start()
@@ -202,7 +202,7 @@ def run(bootstrap: str, blocks: int, events_per_record: int = 2) -> dict:
             "blocks_per_record": round(nblocks / len(records), 1),
             "partitions": PARTITIONS,
             "record_bytes_mean": round(sum(map(len, values)) / len(values), 1),
-            "compression": "publisher default (zstd)",
+            "compression": f"publisher default ({PublisherConfig().compression_type or 'none'})",
             "workload": "bench.index_memory.Workload, stores only",
         },
         "holder_blocks": holder_blocks,

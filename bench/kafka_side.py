@@ -3,7 +3,7 @@
 Three measurements against a real broker, each short (the box is shared):
 
 - ``fetch_grid``: a topic pre-filled with kvwire records (the index_memory workload, ~32 blocks
-  per record, zstd like the publisher) is read with ``getmany`` over a grid of ``max_records`` ×
+  per record, compressed as the publisher does) is read with ``getmany`` over a grid of ``max_records`` ×
   fetch size (``max_partition_fetch_bytes`` = ``fetch_max_bytes``) × ``fetch_max_wait_ms``,
   without decoding: the client's ceiling.
 - ``fetch_and_apply``: the same reads with each poll fed to ``Applier.apply_records`` the way

@@ -6,18 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-
-def _default_compression() -> str:
-    # Measured on encoded EventBatches in 64 KiB chunks (aiokafka codecs, this 2-core box):
-    # zstd ratio 3.5 at ~116 MB/s, gzip 3.8 at ~2 MB/s, lz4 3.4 at ~7 MB/s, snappy 2.4 at
-    # ~370 MB/s. zstd compresses nearly as well as gzip at ~50x its speed, and the cramjam wheel
-    # needs no system library. gzip is the stdlib fallback when cramjam is absent.
-    try:
-        from aiokafka.codec import has_zstd
-
-        return "zstd" if has_zstd() else "gzip"
-    except Exception:  # pragma: no cover - aiokafka always ships has_zstd
-        return "gzip"
+# aiokafka's codecs (each needs cramjam but gzip); None sends batches uncompressed.
+COMPRESSION_TYPES = (None, "gzip", "snappy", "lz4", "zstd")
 
 
 @dataclass
@@ -32,14 +22,21 @@ class PublisherConfig:
     min_insync_replicas: int | None = None
     # An explicit partition (e.g. the worker ordinal) instead of murmur2(key) % partitions.
     partition: int | None = None
-    # Linger is lag every record pays while the pipeline is not busy; when it is, batches fill
-    # behind the one request in flight per broker anyway. bench.lag (one host, 64 workers):
-    # 5 -> 1 ms took lag p50/p99 from 9.4/13.5 to 5.7/8.4 ms at 64k blocks/s, and 511k blocks/s
-    # from saturated (0.949 applied) to keeping up (0.997); publisher CPU a record at 26-32k
-    # records/s stayed 29-32 us. The member fetches more often at low loads (more CPU a record).
+    # Linger holds only batches that aiokafka builds itself. The sender builds its own, one per
+    # partition per pass, and closes each before handing it over, so aiokafka sends it at once:
+    # bench.lag at 8k blocks/s gave lag p50 2.24/2.22 ms with linger 1 and 2.20/2.13 ms with 20.
+    # Kept small so that nothing aiokafka batches on its own ever waits long.
     linger_ms: int = 1
     max_batch_size: int = 512 * 1024
-    compression_type: str | None = field(default_factory=_default_compression)
+    # None: kvwire's records are mostly 64-bit block hashes, which no codec shrinks. On
+    # bench.lag's records (16 blocks, ~690 B) zstd, the best of aiokafka's codecs here (it
+    # compresses at level 3, lz4 at level 9, neither settable), gives 1.30-1.38x in 4-16-record
+    # batches for 3-6 us more CPU a record on the engine host and 1-3 us in every member that
+    # fetches it. At 512k blocks/s offered (5 alternating pairs, DESIGN.md "Event-to-index
+    # lag"): publisher CPU a record 18.0 -> 15.0 us, member 15.5 -> 14.2, lag p50 5.6 -> 4.9 ms,
+    # p99 (median of pairs) 14.6 -> 10.5 ms. Set "zstd" where broker disk or network costs more
+    # than that CPU; consumers read any codec, mixed in one topic.
+    compression_type: str | None = None
     # Batches held between publish() and the producer; the engine never waits on this.
     queue_size: int = 10_000
     # No acknowledgement for this long while records wait => new batches are dropped (and
@@ -79,6 +76,8 @@ class PublisherConfig:
             raise ValueError("partition must be >= 0")
         if self.heartbeat_interval_s <= 0 or self.unreachable_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and unreachable_timeout_s must be > 0")
+        if self.compression_type not in COMPRESSION_TYPES:
+            raise ValueError(f"compression_type must be one of {COMPRESSION_TYPES}, not {self.compression_type!r}")
         if self.framing not in ("single-object", "confluent"):
             raise ValueError(f"framing must be 'single-object' or 'confluent', not {self.framing!r}")
         if self.framing == "confluent" and not (
