@@ -14,7 +14,7 @@ Loads step up; after each level the conductor waits for the member to drain befo
 A level is saturated when the member applied < 95% of what was offered during it; the run
 stops at the first saturated level.
 
-    python -m bench.lag [--quick] [--rates R ...] [--seconds S] [--hosts N ...]
+    python -m bench.lag [--quick] [--rates R ...] [--seconds S] [--hosts N ...] [--compression C]
 
 Writes bench/results/lag.json.
 """
@@ -31,7 +31,7 @@ import uuid
 
 import numpy as np
 
-from kvwire.producer.config import PublisherConfig
+from kvwire.producer.config import COMPRESSION_TYPES, PublisherConfig
 
 from .common import write_result
 
@@ -79,7 +79,9 @@ def _stat_cpu_s(stat_path: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_ms: int | None, cmds, results) -> None:
+def _publisher_main(
+    bootstrap: str, topic: str, shard: int, shards: int, linger_ms: int | None, codec: str | None, cmds, results
+) -> None:
     """One engine host of the fleet: its own KafkaPublisher for workers shard, shard+shards, ..."""
     import logging
 
@@ -92,6 +94,8 @@ def _publisher_main(bootstrap: str, topic: str, shard: int, shards: int, linger_
     cfg = PublisherConfig(bootstrap_servers=bootstrap, topic=topic, partitions=PARTITIONS, heartbeat_interval_s=3600)
     if linger_ms is not None:
         cfg.linger_ms = linger_ms
+    if codec is not None:
+        cfg.compression_type = None if codec == "none" else codec
     pub = KafkaPublisher(cfg)
     mine = range(shard, WORKERS, shards)
     streams, cycles, pos = [], [], []
@@ -338,6 +342,7 @@ def run(
     fetch_max_wait_ms: int = 10,
     hosts: int = HOSTS[0],
     linger_ms: int | None = None,
+    codec: str | None = None,
 ) -> dict:
     ctx = mp.get_context("spawn")
     topic = f"bench-lag-{uuid.uuid4().hex[:8]}"
@@ -345,7 +350,9 @@ def run(
     cmds = [ctx.Queue() for _ in range(hosts)]
     asyncio.run(_create_topic(bootstrap, topic))
     pubs = [
-        ctx.Process(target=_publisher_main, args=(bootstrap, topic, h, hosts, linger_ms, cmds[h], results), daemon=True)
+        ctx.Process(
+            target=_publisher_main, args=(bootstrap, topic, h, hosts, linger_ms, codec, cmds[h], results), daemon=True
+        )
         for h in range(hosts)
     ]
     for p in pubs:
@@ -446,6 +453,7 @@ def run(
             "fetch_max_wait_ms": fetch_max_wait_ms,
             "publisher_hosts": hosts,
             "linger_ms": linger_ms if linger_ms is not None else PublisherConfig.linger_ms,
+            "compression": codec or PublisherConfig.compression_type or "none",
             "processes": f"{hosts} publisher process(es) ({WORKERS // hosts} workers each), the index member and "
             "the conductor are separate processes; the broker shares the machine",
         },
@@ -469,6 +477,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=None, help="seconds per level")
     ap.add_argument("--fetch-max-wait-ms", type=int, default=10, help="the member's (IndexMember default: 10)")
     ap.add_argument("--linger-ms", type=int, default=None, help="the publishers' (default: PublisherConfig's)")
+    ap.add_argument(
+        "--compression",
+        choices=[c or "none" for c in COMPRESSION_TYPES],
+        default=None,
+        help="the publishers' codec (default: PublisherConfig's)",
+    )
     ap.add_argument(
         "--hosts", type=int, nargs="+", default=list(HOSTS), help=f"publisher processes, a sweep each (default {HOSTS})"
     )
@@ -505,7 +519,7 @@ def main(argv=None) -> None:
     seconds = a.seconds or (3.0 if a.quick else 6.0)
     sweeps = []
     for hosts in a.hosts:
-        sweeps.append(run(bootstrap, rates, seconds, a.fetch_max_wait_ms, hosts, a.linger_ms))
+        sweeps.append(run(bootstrap, rates, seconds, a.fetch_max_wait_ms, hosts, a.linger_ms, a.compression))
         for r in sweeps[-1]["levels"]:
             print(
                 f"{hosts} host(s): offered {r['offered_blocks_per_s']:>9,} blocks/s  applied "
