@@ -8,6 +8,10 @@ Three measurements against a real broker, each short (the box is shared):
   without decoding: the client's ceiling.
 - ``fetch_and_apply``: the same reads with each poll fed to ``Applier.apply_records`` the way
   the member does (consumer/ingest.py), so fetch and core can be compared at each setting.
+- ``codecs``: aiokafka's batch builder and reader over ``bench.lag``'s records (16 blocks each)
+  with each codec the publisher can be set to (``PublisherConfig.compression_type``), in batches
+  of 4, 8 and 16 records, the sizes the sender's passes make under load: CPU µs a record to build
+  and to parse, and the compression ratio. No broker: what each codec costs both ends.
 - ``coalesce``: records of 1, 4 and 16 engine steps (8 blocks each) sent with the publisher's
   producer settings (producer/config.py: linger, batch size, compression, idempotence), then
   applied: records/s and bytes per block on the producer, apply µs per block on the consumer.
@@ -177,8 +181,57 @@ def _blocks(records: list[tuple[bytes, bytes]]) -> int:
     return sum(codec.decode(v).block_count() for _, v in records)
 
 
+def codecs(quick: bool) -> dict[str, Any]:
+    """CPU a record to build and to parse a produce batch, and the ratio, per codec and batch
+    size (best of a few reps by CPU: a neighbour's burst only ever adds)."""
+    from aiokafka.record.default_records import DefaultRecordBatchBuilder
+    from aiokafka.record.memory_records import MemoryRecords
+
+    from kvwire.producer.config import COMPRESSION_TYPES
+
+    from .lag import WORKERS, _worker_events
+
+    wl = Workload(seed=7)
+    values = []
+    for w in range(WORKERS // 4):
+        for i, e in enumerate(_worker_events(wl, w)[1][:64]):
+            values.append(codec.encode(EventBatch(wl.workers[w], 1, i, 0, (e,))))
+    code = {None: 0, "gzip": 1, "snappy": 2, "lz4": 3, "zstd": 4}
+    reps = 3 if quick else 10
+    out: dict[str, Any] = {"records": len(values), "value_bytes_mean": sum(map(len, values)) / len(values), "rows": []}
+    for per in (4, 8, 16):
+        for name in COMPRESSION_TYPES:
+            build = parse = float("inf")
+            for _ in range(reps):
+                t0, bufs = time.process_time(), []
+                for s in range(0, len(values), per):
+                    b = DefaultRecordBatchBuilder(2, code[name], False, 0, 0, 0, 512 * 1024)
+                    for j, v in enumerate(values[s : s + per]):
+                        b.append(j, timestamp=None, key=b"k", value=v, headers=[])
+                    bufs.append(bytes(b.build()))
+                build = min(build, time.process_time() - t0)
+                t0, n = time.process_time(), 0
+                for buf in bufs:
+                    mr = MemoryRecords(buf)
+                    while mr.has_next():
+                        n += sum(1 for _ in mr.next_batch())  # type: ignore[union-attr]
+                parse = min(parse, time.process_time() - t0)
+                assert n == len(values)
+            out["rows"].append(
+                {
+                    "codec": name or "none",
+                    "records_per_batch": per,
+                    "ratio": sum(map(len, values)) / sum(map(len, bufs)),
+                    "build_cpu_us_per_record": build / len(values) * 1e6,
+                    "parse_cpu_us_per_record": parse / len(values) * 1e6,
+                }
+            )
+    return out
+
+
 def run(bootstrap: str, blocks: int, quick: bool) -> dict[str, Any]:
     out: dict[str, Any] = {"bootstrap_blocks": blocks, "partitions": PARTITIONS}
+    out["codecs"] = codecs(quick)
     records = make_records(blocks, events_per_record=2)
     n, nblocks = len(records), _blocks(records)
     out["records"], out["blocks"] = n, nblocks

@@ -444,6 +444,22 @@ def kafka_side_block(res: Results) -> str:
             f"| {fmt(r.get('encode_cpu_us_per_block'))} | {fmt(r.get('apply_cpu_us_per_block'))} "
             f"| {fmt(r.get('apply_blocks_per_s'))} |"
         )
+    cod = k.get("codecs") or {}
+    if cod.get("rows"):
+        out += [
+            "",
+            f"Produce-batch codecs over bench.lag's records ({fmt(cod.get('records'))} records of "
+            f"{fmt(cod.get('value_bytes_mean'))} B; aiokafka's builder and reader, no broker; ratio = value "
+            "bytes / batch bytes; the publisher's default is none, `PublisherConfig.compression_type`):",
+            "",
+            "| records/batch | codec | ratio | build CPU µs/record | parse CPU µs/record |",
+            "|---|---|---|---|---|",
+        ]
+        for r in cod["rows"]:
+            out.append(
+                f"| {fmt(r.get('records_per_batch'))} | {r.get('codec')} | {fmt(r.get('ratio'))} "
+                f"| {fmt(r.get('build_cpu_us_per_record'))} | {fmt(r.get('parse_cpu_us_per_record'))} |"
+            )
     return "\n".join(out)
 
 
