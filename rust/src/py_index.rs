@@ -771,7 +771,7 @@ impl PyIndex {
                         duplicate_stores: t.dups,
                     };
                     tables.push(Py::new(py, row)?);
-                    for (e, k, m) in t.entries() {
+                    for (e, k, m) in ix.entries_in_store_order(t) {
                         ehs.extend_from_slice(&e.to_le_bytes());
                         ks.extend_from_slice(&k.to_le_bytes());
                         ms.extend_from_slice(&m.to_le_bytes());

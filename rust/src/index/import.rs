@@ -118,4 +118,33 @@ mod tests {
         assert!(dst.import_memo("a", 0, 1, &memo).is_err());
         assert!(Index::new().import_memo("b", 0, 1, &[(5, 6, false), (5, 7, true)]).is_err());
     }
+
+    /// A table exported in store order and imported lays its chain log out in that order,
+    /// contiguous: the stores and removes that left it scattered do not carry over.
+    #[test]
+    fn an_imported_table_keeps_its_store_order() {
+        use crate::index::TableBlob;
+        let t = toks(256);
+        let a = rank("a", 0, 1);
+        let mut src = Index::new();
+        let ehs: Vec<u64> = (1..=16).collect();
+        src.apply(&a, &[stored(None, &ehs[..8], &t[..512], None)], true).unwrap();
+        src.apply(&a, &[stored(None, &ehs[8..], &t[512..], Some(8))], true).unwrap();
+        src.apply(&a, &[Ev::Remove { medium: None, group: 0, ehs: &[3, 11] }], true).unwrap();
+        fn tab(ix: &Index) -> &crate::table::RTable {
+            &ix.workers[ix.worker_id("a", 0).unwrap() as usize].ranks[0].tables[0]
+        }
+        let es = src.entries_in_store_order(tab(&src));
+        let order: Vec<u64> = es.iter().map(|e| e.0).collect();
+        assert_eq!(order, [1, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16]);
+        let (e, k, m): (Vec<u64>, Vec<u64>, Vec<u16>) =
+            (es.iter().map(|x| x.0).collect(), es.iter().map(|x| x.1).collect(), es.iter().map(|x| x.2).collect());
+        let blob = TableBlob { medium: "GPU", group: 0, ehs: &e, keys: &k, metas: &m, unknown: 0, dups: 0 };
+        let mut dst = Index::new();
+        dst.import_table(&a, &blob).unwrap();
+        let t2 = tab(&dst);
+        let ages: Vec<u32> = k.iter().map(|&key| dst.s.log_age(key, t2.rm)).collect();
+        assert_eq!(ages, (0..14).collect::<Vec<u32>>());
+        assert_eq!(dst.entries_in_store_order(t2), es);
+    }
 }

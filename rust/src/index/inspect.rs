@@ -4,9 +4,18 @@
 use std::collections::{BTreeSet, HashMap};
 
 use super::{Index, Stats};
-use crate::table::{ENGINE, ORPHAN};
+use crate::table::{RTable, ENGINE, ORPHAN};
 
 impl Index {
+    /// A table's entries (engine hash, key, meta) oldest first, as its rm's chain log has
+    /// them (an R table's own order is its hash order): what a snapshot writes, so that an
+    /// index built from it scores stored conversations by their logs, as this one does.
+    pub fn entries_in_store_order(&self, t: &RTable) -> Vec<(u64, u64, u16)> {
+        let mut es: Vec<_> = t.entries().collect();
+        es.sort_by_cached_key(|&(_, key, _)| self.s.log_age(key, t.rm));
+        es
+    }
+
     pub fn stats(&self) -> Vec<Stats> {
         let mut out = vec![];
         for wk in &self.workers {

@@ -84,11 +84,23 @@ struct KeysAhead<'a, 'q, 's> {
     last: u64,
     /// Look up holder sets ahead; off, every key's slots are prefetched and no set is given.
     sets: bool,
+    /// Prefetch the slots of keys without a set; off while a chain log answers instead, and
+    /// then a key's probe is left `lazy` (only the last survivor reads keys computed then).
+    prefetch: bool,
 }
 
 impl<'a, 'q, 's> KeysAhead<'a, 'q, 's> {
     fn new(q: &'a Query<'q>, n: usize, s: &'s STable) -> Self {
-        KeysAhead { q, s, n, ring: [(0, Probe::default(), None); RING], done: 0, last: ROOT, sets: true }
+        KeysAhead {
+            q,
+            s,
+            n,
+            ring: [(0, Probe::default(), None); RING],
+            done: 0,
+            last: ROOT,
+            sets: true,
+            prefetch: true,
+        }
     }
 
     /// Key of block `i`, its probe and its holder set; blocks are asked for in order, 0, 1, 2, ...
@@ -109,11 +121,16 @@ impl<'a, 'q, 's> KeysAhead<'a, 'q, 's> {
                     Query::Keys { keys, .. } => keys[b],
                 };
                 self.last = key;
-                let p = s.probe(key);
                 let set = if self.sets && !s.multi.is_empty() { s.multi.get(&key).map(|v| &v[..]) } else { None };
-                if set.is_none() {
+                let p = if set.is_none() && self.prefetch {
+                    let p = s.probe(key);
                     s.prefetch(p);
-                }
+                    p
+                } else if self.prefetch {
+                    s.probe(key)
+                } else {
+                    STable::lazy(key)
+                };
                 self.ring[b % RING] = (key, p, set);
             }
             self.done = to;
@@ -508,21 +525,39 @@ impl Index {
     /// The blocks from `from` on that wm `x` (a single rank) holds, until the first it lacks:
     /// returns that block's position, or `n`. Out of line: the walk's loop stays as small as
     /// it was for queries that never narrow to one worker.
+    ///
+    /// A block found in a slot of x's gives that slot's place in its rm's chain log, and while
+    /// the next block's key is the log's next entry it is held (a live entry is a live slot),
+    /// with no probe: a stored conversation's blocks are a sequential read of its own log,
+    /// probed only where its chain breaks (a record boundary, a block stored earlier).
     #[inline(never)]
     fn last_survivor(&self, ks: &mut KeysAhead, from: usize, n: usize, x: usize) -> usize {
         let rm_wm = &self.hd.rm_wm;
-        // Its own slots answer for hot keys too: no more sets looked up, every block's slots
-        // prefetched. The blocks already ahead keep theirs, which are exact.
+        // Its own slots and log answer for hot keys too: no more sets looked up.
         ks.sets = false;
+        let mut at: Option<(usize, u32)> = None;
         for j in from..n {
             let (_, probe, set) = ks.at(j);
+            if let Some((rm, pos)) = at {
+                let next = pos.wrapping_add(1);
+                if probe.h != 0 && self.s.logged(rm, next) == probe.h {
+                    at = Some((rm, next));
+                    // The log is answering: the slots of the keys ahead are not needed.
+                    ks.prefetch = false;
+                    continue;
+                }
+            }
+            ks.prefetch = true;
             if let Some(bits) = set {
+                // Looked up before the walk narrowed (its slots not prefetched): the set answers.
                 if bits.get(x >> 6).is_some_and(|b| b & (1 << (x & 63)) != 0) {
+                    at = None;
                     continue;
                 }
                 return j;
             }
-            if !self.s.has_holder(probe, |rm| rm_wm[rm] as usize == x) {
+            at = self.s.holder_slot(self.s.complete(probe), |rm| rm_wm[rm] as usize == x);
+            if at.is_none() {
                 return j;
             }
         }

@@ -377,6 +377,7 @@ impl Index {
             let rm = t.rm;
             self.graveyard.pop_front();
             self.s.revive(rm);
+            self.s.reset_log(rm);
             self.free_rm.push(rm);
         }
     }
