@@ -641,6 +641,16 @@ impl ChainLog {
         }
     }
 
+    /// The entries from `pos` to the end of its chunk or of the log, in order (empty when
+    /// the log does not hold `pos`): what a walk following a chain compares its keys with.
+    #[inline]
+    pub fn run(&self, pos: u32) -> &[u64] {
+        let Some(i) = self.index(pos) else { return &[] };
+        let first = i & !(CHUNK - 1);
+        let end = (first + CHUNK).min(self.head + self.len);
+        &self.chunks[i >> CHUNK_BITS][i - first..end - first]
+    }
+
     #[inline]
     fn front(&self) -> Option<u64> {
         (self.len > 0).then(|| self.chunks[0][self.head])
@@ -886,6 +896,13 @@ impl STable {
     #[inline(always)]
     pub fn logged(&self, rm: usize, pos: u32) -> u64 {
         self.logs.get(rm).map_or(0, |l| l.get(pos))
+    }
+
+    /// `rm`'s chain-log entries from `pos` on, as far as they are contiguous in memory
+    /// (`ChainLog::run`): each the mixed key of a live slot of `rm`, or 0.
+    #[inline]
+    pub fn logged_run(&self, rm: usize, pos: u32) -> &[u64] {
+        self.logs.get(rm).map_or(&[], |l| l.run(pos))
     }
 
     /// Move up to `RECYCLE` of `rm`'s oldest entries to its log's end, each live one's slot

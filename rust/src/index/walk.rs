@@ -106,8 +106,36 @@ impl<'a, 'q, 's> KeysAhead<'a, 'q, 's> {
     /// Key of block `i`, its probe and its holder set; blocks are asked for in order, 0, 1, 2, ...
     #[inline]
     fn at(&mut self, i: usize) -> (u64, Probe, Option<&'s [u64]>) {
+        self.fill(self.n.min(i + AHEAD + 1));
+        self.ring[i % RING]
+    }
+
+    /// How many blocks from `i` on have the mixed keys `run` lists, in its order (at most
+    /// `run.len()`): a chain log's entries, read as a slice instead of one lookup per block.
+    /// Keys are computed a batch at a time, not `AHEAD`: while a log answers, nothing is
+    /// prefetched. A blank entry (0) matches no block.
+    #[inline]
+    fn follow(&mut self, i: usize, run: &[u64]) -> usize {
+        let lim = run.len().min(self.n - i);
+        let mut m = 0;
+        while m < lim {
+            self.fill(i + m + 1);
+            let stop = self.done.min(i + lim);
+            while i + m < stop {
+                let h = self.ring[(i + m) % RING].1.h;
+                if h == 0 || h != run[m] {
+                    return m;
+                }
+                m += 1;
+            }
+        }
+        m
+    }
+
+    /// Compute keys (a batch at a time) until block `until` is in the ring.
+    #[inline]
+    fn fill(&mut self, until: usize) {
         let s = self.s;
-        let until = self.n.min(i + AHEAD + 1);
         while self.done < until {
             let (from, to) = (self.done, self.n.min(self.done + CHAIN_BATCH));
             // A batch of keys at once (keys.rs): their content hashes overlap in the CPU.
@@ -135,7 +163,6 @@ impl<'a, 'q, 's> KeysAhead<'a, 'q, 's> {
             }
             self.done = to;
         }
-        self.ring[i % RING]
     }
 }
 
@@ -536,17 +563,21 @@ impl Index {
         // Its own slots and log answer for hot keys too: no more sets looked up.
         ks.sets = false;
         let mut at: Option<(usize, u32)> = None;
-        for j in from..n {
-            let (_, probe, set) = ks.at(j);
+        let mut j = from;
+        while j < n {
             if let Some((rm, pos)) = at {
-                let next = pos.wrapping_add(1);
-                if probe.h != 0 && self.s.logged(rm, next) == probe.h {
-                    at = Some((rm, next));
-                    // The log is answering: the slots of the keys ahead are not needed.
-                    ks.prefetch = false;
+                // The log is answering: the slots of the keys ahead are not needed.
+                ks.prefetch = false;
+                let m = ks.follow(j, self.s.logged_run(rm, pos.wrapping_add(1)));
+                if m > 0 {
+                    // Blocks j..j+m held; a run ends at its chunk's end, where the next one starts.
+                    at = Some((rm, pos.wrapping_add(m as u32)));
+                    j += m;
                     continue;
                 }
             }
+            let (_, probe, set) = ks.at(j);
+            j += 1;
             ks.prefetch = true;
             if let Some(bits) = set {
                 // Looked up before the walk narrowed (its slots not prefetched): the set answers.
@@ -554,11 +585,11 @@ impl Index {
                     at = None;
                     continue;
                 }
-                return j;
+                return j - 1;
             }
             at = self.s.holder_slot(self.s.complete(probe), |rm| rm_wm[rm] as usize == x);
             if at.is_none() {
-                return j;
+                return j - 1;
             }
         }
         n
@@ -723,6 +754,39 @@ mod tests {
         }
         ix.apply(&rank("a", 0, 1), &[Ev::Remove { medium: None, group: 0, ehs: &[3, 4, 5] }], true).unwrap();
         assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("d", 64), hit("a", 32), hit("b", 32)]);
+    }
+
+    /// A conversation longer than a chain log's chunk (512 entries) is followed across chunk
+    /// edges; a block removed at an edge ends the credit there, and blocks stored again (at
+    /// the log's end, so the log's chain breaks where the index's does not) count again.
+    #[test]
+    fn a_chain_across_log_chunks_is_followed_exactly() {
+        let mut ix = Index::new();
+        let n = 1300usize;
+        let t = toks(n as u32 * 16);
+        let ehs: Vec<u64> = (1..=n as u64).collect();
+        for a in (0..n).step_by(100) {
+            let b = (a + 100).min(n);
+            let parent = (a > 0).then(|| ehs[a - 1]);
+            ix.apply(&rank("a", 0, 1), &[stored(None, &ehs[a..b], &t[a * 64..b * 64], parent)], true).unwrap();
+        }
+        // b shares the first two blocks: the walk narrows to a, its last survivor, after them.
+        ix.apply(&rank("b", 0, 1), &[stored(None, &[9001, 9002], &t[..128], None)], true).unwrap();
+        let full = n as i64 * 16;
+        assert_eq!(ranked(&mut ix, &t, one, None, None), vec![hit("a", full), hit("b", 32)]);
+        for q in [3usize, 511, 512, 513, 1024, 1025] {
+            assert_eq!(ranked(&mut ix, &t[..q * 64], one, None, None)[0], hit("a", q as i64 * 16), "{q} blocks");
+        }
+        for gone in [1025usize, 512, 511] {
+            let ev = Ev::Remove { medium: None, group: 0, ehs: &ehs[gone..gone + 1] };
+            ix.apply(&rank("a", 0, 1), &[ev], true).unwrap();
+            assert_eq!(ranked(&mut ix, &t, one, None, None)[0], hit("a", gone as i64 * 16), "{gone} removed");
+        }
+        for back in [511usize, 512, 1025] {
+            let ev = stored(None, &ehs[back..back + 1], &t[back * 64..(back + 1) * 64], Some(ehs[back - 1]));
+            ix.apply(&rank("a", 0, 1), &[ev], true).unwrap();
+        }
+        assert_eq!(ranked(&mut ix, &t, one, None, None)[0], hit("a", full));
     }
 
     #[test]
