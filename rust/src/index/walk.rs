@@ -166,6 +166,38 @@ impl<'a, 'q, 's> KeysAhead<'a, 'q, 's> {
     }
 }
 
+/// Distinct (score, matched) values `by_score_stably` groups by; past this, it sorts.
+const FEW_VALUES: usize = 8;
+
+/// `hits` ordered by (score, matched) and otherwise as they came: what a stable sort by
+/// those two gives. A score's hits take a handful of distinct values (a shared prompt matches
+/// hundreds of workers alike, a conversation's own worker beyond them), so they are emitted
+/// value by value, in passes over the hits: ~0.49 µs for 170 hits of two values against the
+/// stable sort's ~0.92 (4% of a stored conversation's score with every matched worker returned).
+fn by_score_stably(hits: Vec<(u64, u64, u32, u32)>) -> Vec<(u64, u64, u32, u32)> {
+    let mut values: Vec<(u64, u64)> = Vec::with_capacity(FEW_VALUES);
+    for h in &hits {
+        let v = (h.0, h.1);
+        if !values.contains(&v) {
+            if values.len() == FEW_VALUES {
+                let mut hits = hits;
+                hits.sort_by_key(|h| (h.0, h.1));
+                return hits;
+            }
+            values.push(v);
+        }
+    }
+    if values.len() <= 1 {
+        return hits;
+    }
+    values.sort_unstable();
+    let mut out = Vec::with_capacity(hits.len());
+    for v in values {
+        out.extend(hits.iter().filter(|h| (h.0, h.1) == v));
+    }
+    out
+}
+
 impl Index {
     /// Weights per medium id from a (name -> weight) lookup.
     pub fn weight_array(&self, f: impl Fn(&str) -> f64) -> Vec<f64> {
@@ -395,9 +427,8 @@ impl Index {
                         by_name[nr[w] as usize] = w as u32;
                     }
                 }
-                let mut hits: Vec<_> = by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)).collect();
-                hits.sort_by_key(|h| (h.0, h.1));
-                hits
+                let hits: Vec<_> = by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)).collect();
+                by_score_stably(hits)
             }
         };
         out.worker.reserve(hits.len());
@@ -602,6 +633,31 @@ mod tests {
     use crate::index::test_util::{rank, ranked, stored, toks};
     use crate::index::{Ev, RankId, Store, EXCLUDED};
     use crate::keys::Ctx;
+
+    /// Grouping by value gives exactly the stable sort's order, with few values or many.
+    #[test]
+    fn by_score_stably_is_the_stable_sort() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for distinct in [1u64, 2, 3, 8, 9, 40] {
+            for n in [0usize, 1, 5, 170, 600] {
+                let hits: Vec<(u64, u64, u32, u32)> = (0..n as u32)
+                    .map(|i| {
+                        let v = next() % distinct;
+                        (v / 3, v % 3, i, next() as u32)
+                    })
+                    .collect();
+                let mut want = hits.clone();
+                want.sort_by_key(|h| (h.0, h.1));
+                assert_eq!(by_score_stably(hits), want, "{distinct} values, {n} hits");
+            }
+        }
+    }
 
     /// A tier view counts only its media's copies: device, then device or host, then all.
     #[test]
