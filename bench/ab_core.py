@@ -6,7 +6,8 @@ Each side runs in its own process with ``kvwire._core`` loaded from the given fi
 ``kvwire/_core.abi3.so`` from each build), so both see the same Python code and workload. Pairs
 alternate A, B, A, B...: on a shared, noisy machine the ratio within a pair is what to quote.
 Prints per pair the on-CPU score latency (8k-token prompts, ``bench.score_latency``'s query mix
-and index) and the apply rate of pre-fetched records (``bench.apply_rate``'s core pipeline).
+and index: top 16, every matched worker as the peers run asks, and top 16 of keys given) and
+the apply rate of pre-fetched records (``bench.apply_rate``'s core pipeline).
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def _side(core_path: str, size: int, n: int, apply_blocks: int) -> dict:
         res = {}
         for name, fn, items in (
             ("top16", lambda q: ix.score_arrays(q, top_k=16), qs),
+            # Every matched worker, as the peers run scores (its own ordering path in the core).
+            ("all", lambda q: ix.score_arrays(q), qs),
             ("keys_top16", lambda k: ix.score_keys_arrays(k, BS, top_k=16), keys),
         ):
             for it in items[:30]:
@@ -105,7 +108,7 @@ def main(argv=None) -> None:
         ra, rb = run(a.a), run(a.b)
         flat = {
             "apply_blocks_per_s": (ra["apply_blocks_per_s"], rb["apply_blocks_per_s"]),
-            **{f"{m}.{k}": (ra[m][k], rb[m][k]) for m in ("top16", "keys_top16") for k in ra[m]},
+            **{f"{m}.{k}": (ra[m][k], rb[m][k]) for m in ("top16", "all", "keys_top16") for k in ra[m]},
         }
         print(f"pair {p + 1}: " + ", ".join(f"{k} {x:g} vs {y:g}" for k, (x, y) in flat.items()), flush=True)
         for k, (x, y) in flat.items():
