@@ -320,14 +320,8 @@ class PrefixIndex:
         tok = _tokens(token_ids)
         # Contexts are hashed in the core, from the values themselves; a list, read once per size.
         extra_keys = None if extra_keys is None else list(extra_keys)
-        sizes = (block_size,) if block_size else self.core.block_sizes()
-        out: list[_core.ScoreQuery] = []
-        for bs in sizes:
-            n = tok.shape[0] // bs
-            if n == 0:
-                continue
-            out.append(_core.ScoreQuery.Tokens(tok, bs, extra_keys, lora_name))
-        return out
+        # Size 0: every block size the index holds, read by the core under the score's own lock.
+        return [_core.ScoreQuery.Tokens(tok, block_size or 0, extra_keys, lora_name)]
 
     def score_arrays(
         self,
@@ -379,9 +373,8 @@ class PrefixIndex:
         """``score_trusted_json`` of precomputed keys, each worth ``block_size`` tokens (or, without
         it, the block size of the worker holding it)."""
         k = np.ascontiguousarray(keys, np.uint64)
-        sizes = (block_size,) if block_size else self.core.block_sizes()
         out: bytes = _core.score_trusted(
-            self.core, ranks.core, [_core.ScoreQuery.Keys(k, bs) for bs in sizes], top_k, True
+            self.core, ranks.core, [_core.ScoreQuery.Keys(k, block_size or 0)], top_k, True
         )
         return out
 
@@ -424,8 +417,7 @@ class PrefixIndex:
         worker of the block size it was hashed in)."""
         if keys is not None:
             k = np.ascontiguousarray(keys, np.uint64)
-            sizes = (block_size,) if block_size else self.core.block_sizes()
-            qs: list[_core.ScoreQuery] = [_core.ScoreQuery.Keys(k, bs) for bs in sizes]
+            qs: list[_core.ScoreQuery] = [_core.ScoreQuery.Keys(k, block_size or 0)]
         else:
             qs = self._queries(token_ids, lora_name, block_size, extra_keys)
         return _arrays(self.core.score_media(qs, list(media), _wlist(workers)))

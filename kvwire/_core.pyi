@@ -35,7 +35,9 @@ def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
 PARENT_MEMO: int  # removed engine hashes a worker remembers as parents (rust/src/index/memo.rs)
 
 class ScoreQuery:
-    """One score query: token ids the core hashes, or keys computed before."""
+    """One score query: token ids the core hashes, or keys computed before. A ``block_size``
+    (or ``tokens_per_key``) of 0 stands for every block size the index holds, read under the
+    score's own lock."""
 
     @final
     class Tokens(ScoreQuery):

@@ -130,7 +130,10 @@ pub(crate) fn acquire<G>(py: Python<'_>, mut try_lock: impl FnMut() -> Option<G>
 
 /// One score query, as Python builds it (`consumer.index.PrefixIndex`): token ids, hashed
 /// here in blocks of `block_size` under their per-block extra keys and LoRA, or keys
-/// computed before, each worth `tokens_per_key` tokens.
+/// computed before, each worth `tokens_per_key` tokens. A size of 0 stands for every block
+/// size the index holds, read under the score's own read lock (a second lock to ask for the
+/// sizes first waited out an apply quantum of its own under ingest, and could miss a size
+/// the score then saw).
 #[pyclass(module = "kvwire._core", frozen)]
 pub enum ScoreQuery {
     Tokens { tokens: Py<PyAny>, block_size: i64, extra_keys: Option<Py<PyAny>>, lora_name: Option<String> },
@@ -390,6 +393,21 @@ pub fn scores_json(ix: &Index, s: &Scores, approx: Option<&[bool]>) -> String {
     out
 }
 
+/// A token query's per-block contexts for `blocks` blocks (`py_keys::contexts`).
+fn contexts(
+    py: Python<'_>,
+    extra_keys: &Option<Py<PyAny>>,
+    lora_name: &Option<String>,
+    base: u64,
+    blocks: usize,
+) -> PyResult<Option<Vec<u64>>> {
+    let extra = match extra_keys {
+        Some(x) => x.bind(py).clone(),
+        None => py.None().into_bound(py),
+    };
+    crate::py_keys::contexts(&extra, lora_name.as_deref(), base, blocks)
+}
+
 impl PyIndex {
     /// `score`'s work, also for `score_trusted`, which marks approximate workers.
     pub fn score_with<'py, H>(
@@ -405,46 +423,38 @@ impl PyIndex {
             qs_in.push(q.cast_into::<ScoreQuery>()?);
         }
         let mut bufs = vec![];
-        // Per query: the precomputed keys, or the per-block contexts of tokens (None when
-        // every block's context is the sequence's).
+        // Per query, before the lock: its buffer, and for token ids of one block size their
+        // per-block contexts (None when every block's context is the sequence's).
         let mut words: Vec<Option<Vec<u64>>> = vec![];
-        let mut meta = vec![];
+        // (buffer, tokens?, block size or tokens per key, context seed); size 0: every size.
+        let mut meta: Vec<(usize, bool, i64, u64)> = vec![];
+        // Per buffer, a token query's extra keys and LoRA (its contexts, once a size is known).
+        let mut named = vec![];
         for q in &qs_in {
+            let b = bufs.len();
             match q.get() {
                 ScoreQuery::Tokens { tokens, block_size, extra_keys, lora_name } => {
                     let buf = RawBuf::get(tokens.bind(py))?;
                     let n = *block_size;
                     let base = keys::context_seed(lora_name.as_deref());
-                    let blocks = if n > 0 { buf.bytes().len() / 4 / n as usize } else { 0 };
-                    let extra = match extra_keys {
-                        Some(x) => x.bind(py).clone(),
-                        None => py.None().into_bound(py),
-                    };
-                    words.push(crate::py_keys::contexts(&extra, lora_name.as_deref(), base, blocks)?);
-                    meta.push((true, n, base));
+                    if n > 0 {
+                        let blocks = buf.bytes().len() / 4 / n as usize;
+                        words.push(contexts(py, extra_keys, lora_name, base, blocks)?);
+                        meta.push((b, true, n, base));
+                    } else if n == 0 {
+                        words.push(None);
+                        meta.push((b, true, 0, base));
+                    }
                     bufs.push(buf);
+                    named.push(Some((extra_keys, lora_name)));
                 }
                 ScoreQuery::Keys { keys, tokens_per_key } => {
                     let buf = RawBuf::get(keys.bind(py))?;
                     words.push(Some(words_u64(buf.bytes())));
-                    meta.push((false, *tokens_per_key, 0));
+                    meta.push((b, false, *tokens_per_key, 0));
                     bufs.push(buf);
+                    named.push(None);
                 }
-            }
-        }
-        let mut qs = vec![];
-        for (i, &(tok, n, base)) in meta.iter().enumerate() {
-            if tok {
-                if n <= 0 {
-                    continue;
-                }
-                let ctx = match &words[i] {
-                    Some(c) => Ctx::PerBlock(c),
-                    None => Ctx::One(base),
-                };
-                qs.push(Query::Tokens { tokens: bufs[i].bytes(), bs: n as usize, ctx });
-            } else {
-                qs.push(Query::Keys { keys: words[i].as_deref().unwrap_or(&[]), scale: n });
             }
         }
         // Weights and mask under the read lock the walk then keeps: they see the same index.
@@ -454,6 +464,40 @@ impl PyIndex {
         // read-locked: the fence and the index are then of the same record.
         drop(hold);
         let ix: &Index = &reader;
+        if meta.iter().any(|m| m.2 == 0) {
+            let mut sizes: Vec<i64> = ix.block_sizes.iter().copied().collect();
+            sizes.sort_unstable();
+            let (mut words1, mut meta1) = (vec![], vec![]);
+            for (w, m) in words.into_iter().zip(meta) {
+                if m.2 != 0 {
+                    words1.push(w);
+                    meta1.push(m);
+                    continue;
+                }
+                for &bs in &sizes {
+                    if let Some((extra_keys, lora_name)) = named[m.0] {
+                        let blocks = bufs[m.0].bytes().len() / 4 / bs as usize;
+                        words1.push(contexts(py, extra_keys, lora_name, m.3, blocks)?);
+                    } else {
+                        words1.push(w.clone());
+                    }
+                    meta1.push((m.0, m.1, bs, m.3));
+                }
+            }
+            (words, meta) = (words1, meta1);
+        }
+        let mut qs = vec![];
+        for (i, &(b, tok, n, base)) in meta.iter().enumerate() {
+            if tok {
+                let ctx = match &words[i] {
+                    Some(c) => Ctx::PerBlock(c),
+                    None => Ctx::One(base),
+                };
+                qs.push(Query::Tokens { tokens: bufs[b].bytes(), bs: n as usize, ctx });
+            } else {
+                qs.push(Query::Keys { keys: words[i].as_deref().unwrap_or(&[]), scale: n });
+            }
+        }
         let wts = this.weights_for(ix, weights, media)?;
         let mut mask = match workers {
             Some(w) => Some(Self::mask(ix, w, true)?),
