@@ -229,6 +229,11 @@ def summarize(res: dict, errors: dict) -> dict:
                 f"{ui['applied_blocks_per_s']:,} blocks/s (offered {ui['offered_blocks_per_s']:,.0f}) in "
                 f"{ui['slice_budget_us']} us slices; p50 {ui['latency_us']['p50']} us"
             )
+            if "until_running_us" in ui:
+                notes["score_p99_us_under_ingest"] += (
+                    f"; p99 of its parts: until the thread runs again (wake-up, GIL) "
+                    f"{ui['until_running_us']['p99']} us, the score call {ui['call_us']['p99']} us"
+                )
             same = row.get("under_ingest_same_loop")
             if same:
                 notes["score_p99_us_under_ingest"] += (
