@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -205,6 +206,36 @@ def test_block_sizes_side_by_side_each_worker_gets_its_best():
     assert ix.score(long, block_size=16)[0].instance_id == "c"
     assert ix.block_sizes() == [16, 256]
     same(ix, orc, [long, long[:300]])
+
+
+def test_a_query_of_size_zero_is_every_size_the_index_holds():
+    """The core expands size 0 under the score's own lock: the answer is the best over the
+    sizes asked one by one, for token ids and for keys, and a size learned later counts."""
+    long = TOKS * 8
+    ix, _ = both(("store", A, ev(long, 16, 0, 4)), ("store", C, ev(long, 256, 0, 2, medium="CPU")))
+    tok = np.asarray(long, np.uint32)
+
+    def answer(qs):
+        b = ix.core.score(qs, None, None, None, None)
+        workers, matched = np.frombuffer(b.worker, np.uint32), np.frombuffer(b.matched_tokens, np.int64)
+        return sorted(zip(workers.tolist(), matched.tolist(), strict=True))
+
+    def best(*answers):
+        out: dict[int, int] = {}
+        for a in answers:
+            for w, m in a:
+                out[w] = max(out.get(w, 0), m)
+        return sorted(out.items())
+
+    per_size = [answer([_core.ScoreQuery.Tokens(tok, bs, None, None)]) for bs in (16, 256)]
+    assert answer([_core.ScoreQuery.Tokens(tok, 0, None, None)]) == best(*per_size) != []
+    keys = prompt_keys(long, 16)
+    per_scale = [answer([_core.ScoreQuery.Keys(keys, bs)]) for bs in (16, 256)]
+    assert answer([_core.ScoreQuery.Keys(keys, 0)]) == best(*per_scale) != []
+    # A third size, held by a third worker, learned after the queries above were made.
+    ix.store(WorkerId("d", 0), ev(long, 32, 0, 1))
+    assert len(answer([_core.ScoreQuery.Tokens(tok, 0, None, None)])) == 3
+    assert ix.block_sizes() == [16, 32, 256]
 
 
 def test_engine_hash_mode():
