@@ -632,15 +632,6 @@ impl ChainLog {
         self.base.wrapping_add(i as u32)
     }
 
-    /// The entry at `pos`, 0 if blank or outside the log.
-    #[inline(always)]
-    pub fn get(&self, pos: u32) -> u64 {
-        match self.index(pos) {
-            Some(i) => self.chunks[i >> CHUNK_BITS][i & (CHUNK - 1)],
-            None => 0,
-        }
-    }
-
     /// The entries from `pos` to the end of its chunk or of the log, in order (empty when
     /// the log does not hold `pos`): what a walk following a chain compares its keys with.
     #[inline]
@@ -889,13 +880,6 @@ impl STable {
         if let Some(log) = self.logs.get_mut(rm as usize) {
             *log = ChainLog::default();
         }
-    }
-
-    /// `rm`'s chain-log entry at `pos`: the mixed key of a live slot of `rm` whose `pos` it
-    /// is, or 0.
-    #[inline(always)]
-    pub fn logged(&self, rm: usize, pos: u32) -> u64 {
-        self.logs.get(rm).map_or(0, |l| l.get(pos))
     }
 
     /// `rm`'s chain-log entries from `pos` on, as far as they are contiguous in memory
@@ -1345,7 +1329,8 @@ mod tests {
             for x in s.slot.iter().filter(|x| x.meta != 0 && !t.dead.has(rm_of(x.meta))) {
                 let rm = rm_of(x.meta);
                 if x.h != 0 {
-                    assert_eq!(t.logged(rm, x.pos), x.h, "slot of rm {rm} at log position {}", x.pos);
+                    let entry = t.logged_run(rm, x.pos).first().copied().unwrap_or(0);
+                    assert_eq!(entry, x.h, "slot of rm {rm} at log position {}", x.pos);
                 }
                 assert!(named.insert((rm, x.pos), x.h).is_none(), "two slots name one entry");
             }
