@@ -423,37 +423,31 @@ impl PyIndex {
             qs_in.push(q.cast_into::<ScoreQuery>()?);
         }
         let mut bufs = vec![];
-        // Per query, before the lock: its buffer, and for token ids of one block size their
-        // per-block contexts (None when every block's context is the sequence's).
-        let mut words: Vec<Option<Vec<u64>>> = vec![];
-        // (buffer, tokens?, block size or tokens per key, context seed); size 0: every size.
-        let mut meta: Vec<(usize, bool, i64, u64)> = vec![];
-        // Per buffer, a token query's extra keys and LoRA (its contexts, once a size is known).
-        let mut named = vec![];
+        // Per query, before the lock: its buffer, what it is (a token query's extra keys and
+        // LoRA, None for keys), its block size (tokens per key), its context seed, and, unless
+        // the size is 0 (every size, known only under the lock), its per-block contexts or keys.
+        let mut asked = vec![];
         for q in &qs_in {
             let b = bufs.len();
             match q.get() {
                 ScoreQuery::Tokens { tokens, block_size, extra_keys, lora_name } => {
                     let buf = RawBuf::get(tokens.bind(py))?;
-                    let n = *block_size;
-                    let base = keys::context_seed(lora_name.as_deref());
-                    if n > 0 {
-                        let blocks = buf.bytes().len() / 4 / n as usize;
-                        words.push(contexts(py, extra_keys, lora_name, base, blocks)?);
-                        meta.push((b, true, n, base));
-                    } else if n == 0 {
-                        words.push(None);
-                        meta.push((b, true, 0, base));
-                    }
+                    let (n, base) = (*block_size, keys::context_seed(lora_name.as_deref()));
+                    let words = if n > 0 {
+                        Some(contexts(py, extra_keys, lora_name, base, buf.bytes().len() / 4 / n as usize)?)
+                    } else {
+                        None
+                    };
                     bufs.push(buf);
-                    named.push(Some((extra_keys, lora_name)));
+                    if n >= 0 {
+                        asked.push((b, Some((extra_keys, lora_name)), n, base, words));
+                    }
                 }
                 ScoreQuery::Keys { keys, tokens_per_key } => {
                     let buf = RawBuf::get(keys.bind(py))?;
-                    words.push(Some(words_u64(buf.bytes())));
-                    meta.push((b, false, *tokens_per_key, 0));
+                    let n = *tokens_per_key;
+                    asked.push((b, None, n, 0, (n != 0).then(|| Some(words_u64(buf.bytes())))));
                     bufs.push(buf);
-                    named.push(None);
                 }
             }
         }
@@ -464,27 +458,29 @@ impl PyIndex {
         // read-locked: the fence and the index are then of the same record.
         drop(hold);
         let ix: &Index = &reader;
-        if meta.iter().any(|m| m.2 == 0) {
-            let mut sizes: Vec<i64> = ix.block_sizes.iter().copied().collect();
+        let mut sizes: Vec<i64> = vec![];
+        if asked.iter().any(|a| a.4.is_none()) {
+            sizes.extend(ix.block_sizes.iter().copied());
             sizes.sort_unstable();
-            let (mut words1, mut meta1) = (vec![], vec![]);
-            for (w, m) in words.into_iter().zip(meta) {
-                if m.2 != 0 {
-                    words1.push(w);
-                    meta1.push(m);
-                    continue;
-                }
-                for &bs in &sizes {
-                    if let Some((extra_keys, lora_name)) = named[m.0] {
-                        let blocks = bufs[m.0].bytes().len() / 4 / bs as usize;
-                        words1.push(contexts(py, extra_keys, lora_name, m.3, blocks)?);
-                    } else {
-                        words1.push(w.clone());
-                    }
-                    meta1.push((m.0, m.1, bs, m.3));
-                }
+        }
+        // One query per (query, size): (buffer, tokens?, size, seed) and its contexts or keys.
+        let (mut meta, mut words) = (vec![], vec![]);
+        for (b, named, n, base, pre) in asked {
+            if let Some(w) = pre {
+                meta.push((b, named.is_some(), n, base));
+                words.push(w);
+                continue;
             }
-            (words, meta) = (words1, meta1);
+            for &bs in &sizes {
+                let w = match named {
+                    Some((extra_keys, lora_name)) => {
+                        contexts(py, extra_keys, lora_name, base, bufs[b].bytes().len() / 4 / bs as usize)?
+                    }
+                    None => Some(words_u64(bufs[b].bytes())),
+                };
+                meta.push((b, named.is_some(), bs, base));
+                words.push(w);
+            }
         }
         let mut qs = vec![];
         for (i, &(b, tok, n, base)) in meta.iter().enumerate() {
