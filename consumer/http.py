@@ -85,6 +85,7 @@ from .api import (
     WorkersAnswer,
 )
 from .apply import Applier
+from .cpus import CpuSplit
 from .dynamo_api import (
     REGISTER_ANSWER,
     BlockTable,
@@ -655,7 +656,10 @@ class HttpWorkers:
     the rest only when one is free. Threads, not processes: one index in memory and one
     ingest, so the answers are one member's; processes would each need their own group and
     ingest. Apps made for threads should be given ``home`` (``make_app``), so that what
-    reads Python-side ingest state runs on ingest's loop."""
+    reads Python-side ingest state runs on ingest's loop.
+
+    ``cpus``: the threads run on its serving CPUs (``kvwire.consumer.cpus``), away from
+    ingest's."""
 
     def __init__(
         self,
@@ -665,10 +669,12 @@ class HttpWorkers:
         n: int,
         on_caller_loop: bool = True,
         tls: ssl.SSLContext | None = None,
+        cpus: CpuSplit | None = None,
     ) -> None:
         if n < 1:
             raise ValueError("at least one HTTP worker")
         self.make, self.host, self.port, self.n, self.tls = make, host, port, n, tls
+        self.cpus = cpus
         self.on_caller_loop = on_caller_loop
         self._runner: web.AppRunner | None = None
         self._threads: list[tuple[threading.Thread, asyncio.AbstractEventLoop]] = []
@@ -696,6 +702,8 @@ class HttpWorkers:
         return self.port
 
     def _thread(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[int], reuse: bool) -> None:
+        if self.cpus is not None:
+            self.cpus.pin_serving()
         asyncio.set_event_loop(loop)
         caller = started.get_loop()
         try:
