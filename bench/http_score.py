@@ -110,6 +110,7 @@ def serve_main(a: argparse.Namespace) -> None:
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
     from kvwire.consumer.apply import Applier
+    from kvwire.consumer.cpus import CpuSplit
     from kvwire.consumer.http import HttpWorkers, make_app
 
     from .index_memory import Workload as MemWorkload
@@ -134,15 +135,22 @@ def serve_main(a: argparse.Namespace) -> None:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        # As `kvwire index` serves: HTTP on threads, ingest alone on this loop (--http-on-ingest-loop: shared).
+        # As `kvwire index` serves: HTTP on threads, ingest alone on this loop (--http-on-ingest-loop: shared),
+        # each on its CPUs (--no-cpu-split: anywhere).
+        cpus = CpuSplit.here() if a.cpu_split else None
+        if cpus is not None:
+            cpus.install(loop)
         workers = HttpWorkers(
             lambda: make_app(applier, lambda: True, home=loop),
             "127.0.0.1",
             0,
             a.http_workers,
             on_caller_loop=a.http_on_ingest_loop,
+            cpus=cpus,
         )
         port = await workers.start()
+        if cpus is not None:
+            cpus.pin_ingest()
         stats: dict = {}
         stop = asyncio.Event()
         loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -279,6 +287,7 @@ def run_member(a: argparse.Namespace, http_workers: int, qdir: str, wrk: str) ->
         str(a.n_queries),
         *(["--http-on-ingest-loop"] if a.http_on_ingest_loop else []),
         *(["--switch-interval", str(a.switch_interval)] if a.switch_interval else []),
+        *([] if a.cpu_split else ["--no-cpu-split"]),
     ]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdin is not None and proc.stdout is not None
@@ -347,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         sp.add_argument("--n-queries", type=int, default=64)
         sp.add_argument("--http-on-ingest-loop", action="store_true")
         sp.add_argument("--switch-interval", type=float, default=0.0)
+        sp.add_argument("--no-cpu-split", dest="cpu_split", action="store_false")
         serve_main(sp.parse_args(argv[1:]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -363,6 +373,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument(
         "--switch-interval", type=float, default=0.0, help="the member's sys.setswitchinterval (0: Python's 5 ms)"
+    )
+    ap.add_argument(
+        "--no-cpu-split",
+        dest="cpu_split",
+        action="store_false",
+        help="let the member's threads run on any CPU (kvwire index --no-cpu-split)",
     )
     a = ap.parse_args(argv)
     a.holder_blocks = a.holder_blocks or (1_000_000 if a.quick else 10_000_000)
@@ -382,6 +398,7 @@ def main(argv: list[str] | None = None) -> None:
             "http_on_ingest_loop": a.http_on_ingest_loop,
             "switch_interval_s": a.switch_interval or sys.getswitchinterval(),
             "cpus": os.cpu_count(),
+            "cpu_split": a.cpu_split,
             "command": " ".join(["python -m bench.http_score", *argv]),
             "git_head": _git_head(),
             "core_built": _core_built(),

@@ -234,6 +234,18 @@ def summarize(res: dict, errors: dict) -> dict:
                     f"; p99 of its parts: until the thread runs again (wake-up, GIL) "
                     f"{ui['until_running_us']['p99']} us, the score call {ui['call_us']['p99']} us"
                 )
+            split = ui.get("cpu_split")
+            if split:
+                notes["score_p99_us_under_ingest"] += (
+                    f"; ingest on CPU {','.join(map(str, split['ingest']))}, the query thread on "
+                    f"{','.join(map(str, split['serving']))} (kvwire index --cpu-split)"
+                )
+            anyc = row.get("under_ingest_any_cpu")
+            if anyc:
+                notes["score_p99_us_under_ingest"] += (
+                    f"; with both threads on any CPU (--no-cpu-split) p99 {anyc['latency_us']['p99']} us, "
+                    f"until running {anyc['until_running_us']['p99']} us"
+                )
             same = row.get("under_ingest_same_loop")
             if same:
                 notes["score_p99_us_under_ingest"] += (

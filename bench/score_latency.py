@@ -121,14 +121,26 @@ def measure(ix, wl: Workload, n: int) -> dict:
 
 
 def under_ingest(
-    ix, wl: Workload, n: int, blocks_per_s: float = 1e6, seconds: float | None = None, scores: str = "thread"
+    ix,
+    wl: Workload,
+    n: int,
+    blocks_per_s: float = 1e6,
+    seconds: float | None = None,
+    scores: str = "thread",
+    cpu_split: bool = True,
 ) -> dict:
     """Score latency while an asyncio loop applies records at ``blocks_per_s`` (see the docstring).
     ``scores="thread"``: queries come from another thread, as ``kvwire index`` serves them (its
-    HTTP loops run on threads of their own); ``"loop"``: on the ingest loop itself, between slices."""
+    HTTP loops run on threads of their own); ``"loop"``: on the ingest loop itself, between slices.
+    ``cpu_split``: the two threads on CPUs of their own (``kvwire.consumer.cpus``), as ``kvwire
+    index`` places them unless told ``--no-cpu-split``."""
     from kvwire.consumer.apply import APPLY_BUDGET_US, Applier
+    from kvwire.consumer.cpus import CpuSplit
 
     from .apply_rate import make_records
+
+    # Each thread on its CPUs, as `kvwire index` places them (--cpu-split, its default).
+    cpus = CpuSplit.here() if cpu_split and scores != "loop" else None
 
     a = Applier(index=ix)
     seconds = seconds or max(0.5, n / 1000)
@@ -197,14 +209,25 @@ def under_ingest(
         for k in range(len(qs)):
             lat.append(one(t0, k))
 
+    def serving_thread(t0: float) -> None:
+        if cpus is not None:
+            cpus.pin_serving()
+        query_thread(t0)
+
     async def both() -> float:
         t0 = time.perf_counter()
         if scores == "loop":
             await asyncio.gather(ingest(), query_on_loop())
         else:
-            th = threading.Thread(target=query_thread, args=(t0,))
+            th = threading.Thread(target=serving_thread, args=(t0,))
             th.start()
-            await ingest()
+            if cpus is not None:
+                cpus.pin_ingest()
+            try:
+                await ingest()
+            finally:
+                if cpus is not None:
+                    cpus.unpin()
             await asyncio.to_thread(th.join)
         return time.perf_counter() - t0
 
@@ -220,6 +243,7 @@ def under_ingest(
         "call_us": {
             k: round(v, 2) for k, v in percentiles([t - w for t, w in zip(lat, woke, strict=True)], PS).items()
         },
+        "cpu_split": None if cpus is None else {"ingest": sorted(cpus.ingest), "serving": sorted(cpus.serving)},
         "slice_budget_us": APPLY_BUDGET_US,
         "switch_interval_s": sys.getswitchinterval(),
     }
@@ -307,6 +331,8 @@ def run(sizes, n: int) -> dict:
             print(f"{label:>5} under ingest: {row['under_ingest']}")
             row["under_ingest_same_loop"] = under_ingest(ix, wl, min(n, 600), seconds=min(n, 600) / 200, scores="loop")
             print(f"{label:>5} under ingest, scores on the ingest loop: {row['under_ingest_same_loop']}")
+            row["under_ingest_any_cpu"] = under_ingest(ix, wl, min(n, 600), seconds=min(n, 600) / 200, cpu_split=False)
+            print(f"{label:>5} under ingest, threads on any CPU: {row['under_ingest_any_cpu']}")
         del ix, wl
     out["first_score"] = first_score()
     print("first score:", out["first_score"])
