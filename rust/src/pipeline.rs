@@ -39,7 +39,7 @@ use crate::decode;
 use crate::fence::{Fence, RankState, Stamp, Verdict, RETIRED_EPOCHS};
 use crate::index::{ApplyError, Ev, Index, RankId, Store};
 use crate::keys::{self, Key};
-use crate::py_index::{acquire, held, readers_waiting, spin_for, spin_then, PyIndex, ScoreArgs};
+use crate::py_index::{acquire, held, readers_waiting, spin_for, PyIndex, ScoreArgs};
 use crate::record::{Event, ExtraKey, HashKind, Hashes, Record, Scalar};
 
 /// What an overflowed record's dead letter says after its kind.
@@ -569,7 +569,7 @@ impl PyFence {
     /// The fence; waits for an apply quantum in progress without the GIL.
     pub fn lock(&self, py: Python<'_>) -> MutexGuard<'_, Fence> {
         let m = &self.fence;
-        acquire(py, || held(m.try_lock()), || spin_then(|| m.try_lock().is_ok(), || drop(m.lock())))
+        acquire(py, || held(m.try_lock()), || m.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
 

@@ -6,7 +6,7 @@
 //! (array('I'), numpy, bytes) are read in place.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError, TryLockResult};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError, TryLockResult};
 
 use pyo3::exceptions::{PyBufferError, PyValueError};
 use pyo3::prelude::*;
@@ -61,15 +61,15 @@ pub(crate) fn u64_bytes<'py>(py: Python<'py>, v: impl IntoIterator<Item = u64>) 
 
 /// The index, shared between its writers and scores that run without the GIL.
 ///
-/// How a reader sees a whole record or none: writers take the write lock (under an exclusive
-/// borrow of the PyIndex) and apply records whole before they let it go; `apply_poll` does so
-/// in quanta without the GIL. Two rules keep the lock from meeting the GIL in a deadlock: a
-/// writer that has to wait for readers waits without the GIL (`PyIndex::write`), and a reader
-/// takes its lock only under a shared borrow of the PyIndex, which a writer's exclusive borrow
-/// (held as long as its lock) excludes, so under the GIL it never waits. A score then releases the GIL and walks the index under its read lock: it sees the
-/// index as it was between two quanta, and several scores run at once, beside ingest's Python
-/// work and its quanta. The index lives behind the `Arc` (not inline in the Python object)
-/// so a reader holds it without holding a borrow of the Python object.
+/// How a reader sees a whole record or none: writers take the write lock and apply records
+/// whole before they let it go; `apply_poll` does so in quanta without the GIL. Two rules keep
+/// the lock from meeting the GIL in a deadlock: a writer that has to wait for readers waits
+/// without the GIL (`PyIndex::write`), and so does a reader (`acquire`), and whoever holds the
+/// lock without the GIL never needs the GIL to let it go. A score then releases the GIL and
+/// walks the index under its read lock: it sees the index as it was between two quanta, and
+/// several scores run at once, beside ingest's Python work and its quanta. The index lives
+/// behind the `Arc` (not inline in the Python object) so a reader holds it without holding a
+/// borrow of the Python object.
 type Shared = Arc<RwLock<Index>>;
 
 /// Readers (other threads) waiting for the index's read lock or the fence's lock: an apply
@@ -80,15 +80,8 @@ pub(crate) fn readers_waiting() -> bool {
     READERS_WAITING.load(Ordering::Relaxed) != 0
 }
 
-/// Waits until `free()` (polled, yielding the CPU between polls, for up to ~200 us: a quantum
-/// or a score ends sooner than a sleeping thread is woken on a virtual machine), else `block()`.
-pub(crate) fn spin_then(free: impl Fn() -> bool, block: impl FnOnce()) {
-    if spin_for(|| free().then_some(())).is_none() {
-        block();
-    }
-}
-
-/// `take()`'s first `Some`, polled as `spin_then` polls; None after ~200 us.
+/// `take()`'s first `Some`, polled (yielding the CPU between polls) for up to ~200 us: a
+/// quantum or a score ends sooner than a sleeping thread is woken on a virtual machine; None after.
 pub(crate) fn spin_for<G>(mut take: impl FnMut() -> Option<G>) -> Option<G> {
     let t0 = std::time::Instant::now();
     while t0.elapsed().as_micros() < 200 {
@@ -110,20 +103,28 @@ pub(crate) fn held<G>(r: TryLockResult<G>) -> Option<G> {
     }
 }
 
-/// `try_lock` under the GIL, and while it would block, a wait without the GIL (announced in
-/// `READERS_WAITING`): the holder is an apply quantum or a score, which never needs the GIL
-/// to let go, and whatever else wants the GIL meanwhile gets it.
-pub(crate) fn acquire<G>(py: Python<'_>, mut try_lock: impl FnMut() -> Option<G>, wait: impl Fn() + Send + Sync) -> G {
+/// A lock guard taken without the GIL, handed back to the thread that took it.
+struct Taken<G>(G);
+// SAFETY: `py.detach` runs its closure on the calling thread, so a guard taken in it is used
+// and dropped on the thread that took it, as a guard must be; only the type crosses `detach`.
+unsafe impl<G> Send for Taken<G> {}
+
+/// `try_lock` under the GIL, and while it would block, the lock taken without the GIL
+/// (announced in `READERS_WAITING`): polled, then `lock` waits for it. The holder is an apply
+/// quantum or a score, which never needs the GIL to let go, and whatever else wants the GIL
+/// meanwhile gets it. The guard comes back held: a wait that only saw the lock free and then
+/// tried again under the GIL lost it, under a saturated ingest, to the next quantum again and
+/// again (scores of 25-80 ms at 10M, `bench.score_latency`'s `under_ingest_restart`).
+pub(crate) fn acquire<G>(
+    py: Python<'_>,
+    try_lock: impl Fn() -> Option<G> + Sync,
+    lock: impl FnOnce() -> G + Send,
+) -> G {
     if let Some(g) = try_lock() {
         return g;
     }
     READERS_WAITING.fetch_add(1, Ordering::Relaxed);
-    let g = loop {
-        if let Some(g) = try_lock() {
-            break g;
-        }
-        py.detach(&wait);
-    };
+    let Taken(g) = py.detach(|| Taken(spin_for(&try_lock).unwrap_or_else(lock)));
     READERS_WAITING.fetch_sub(1, Ordering::Relaxed);
     g
 }
@@ -180,7 +181,7 @@ impl PyIndex {
     /// The index to read; waits for an apply quantum in progress without the GIL.
     pub fn read(&self, py: Python<'_>) -> RwLockReadGuard<'_, Index> {
         let lock: &RwLock<Index> = &self.ix;
-        acquire(py, || held(lock.try_read()), || spin_then(|| lock.try_read().is_ok(), || drop(lock.read())))
+        acquire(py, || held(lock.try_read()), || lock.read().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The lock itself, for a writer that holds it without the GIL (`pipeline::apply_poll`).
