@@ -240,6 +240,12 @@ def summarize(res: dict, errors: dict) -> dict:
                     f"; ingest on CPU {','.join(map(str, split['ingest']))}, the query thread on "
                     f"{','.join(map(str, split['serving']))} (kvwire index --cpu-split)"
                 )
+            restart = row.get("under_ingest_restart")
+            if restart:
+                notes["score_p99_us_under_ingest"] += (
+                    f"; with that fleet restarting (every rank reset while holding its blocks) p99 "
+                    f"{restart['latency_us']['p99']} us ({restart['applied_blocks_per_s']:,} blocks/s applied)"
+                )
             anyc = row.get("under_ingest_any_cpu")
             if anyc:
                 notes["score_p99_us_under_ingest"] += (

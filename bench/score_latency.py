@@ -128,12 +128,15 @@ def under_ingest(
     seconds: float | None = None,
     scores: str = "thread",
     cpu_split: bool = True,
+    fleet: str | None = None,
 ) -> dict:
     """Score latency while an asyncio loop applies records at ``blocks_per_s`` (see the docstring).
     ``scores="thread"``: queries come from another thread, as ``kvwire index`` serves them (its
     HTTP loops run on threads of their own); ``"loop"``: on the ingest loop itself, between slices.
     ``cpu_split``: the two threads on CPUs of their own (``kvwire.consumer.cpus``), as ``kvwire
-    index`` places them unless told ``--no-cpu-split``."""
+    index`` places them unless told ``--no-cpu-split``. ``fleet``: the name of the ingested
+    fleet; an earlier run's name replays that fleet restarting (a fresh fence: every rank's first
+    record resets it while the index still holds its blocks, which are cleared and swept)."""
     from kvwire.consumer.apply import APPLY_BUDGET_US, Applier
     from kvwire.consumer.cpus import CpuSplit
 
@@ -145,7 +148,8 @@ def under_ingest(
     a = Applier(index=ix)
     seconds = seconds or max(0.5, n / 1000)
     # Another fleet than the index's own (fresh ranks, reset records): the index grows as it is queried.
-    recs_kv = make_records(int(blocks_per_s * seconds), 2, seed=7, name=f"ingest-{scores}")
+    name = fleet or f"ingest-{scores}-{'split' if cpus else 'any'}"
+    recs_kv = make_records(int(blocks_per_s * seconds), 2, seed=7, name=name)
     values = [v for _, v in recs_kv]
 
     class _R:
@@ -234,6 +238,7 @@ def under_ingest(
     wall = asyncio.run(both())
     gc.unfreeze()
     return {
+        "fleet": name,
         "scores_from": "another thread (as kvwire index serves them)" if scores != "loop" else "the ingest loop",
         "offered_blocks_per_s": blocks_per_s,
         "applied_blocks_per_s": round(applied[0] * per_rec / wall),
@@ -329,6 +334,10 @@ def run(sizes, n: int) -> dict:
             # is the wait behind ingest slices, not a queue of late queries.
             row["under_ingest"] = under_ingest(ix, wl, min(n, 600), seconds=min(n, 600) / 200)
             print(f"{label:>5} under ingest: {row['under_ingest']}")
+            row["under_ingest_restart"] = under_ingest(
+                ix, wl, min(n, 600), seconds=min(n, 600) / 200, fleet=row["under_ingest"]["fleet"]
+            )
+            print(f"{label:>5} under ingest, that fleet restarting: {row['under_ingest_restart']}")
             row["under_ingest_same_loop"] = under_ingest(ix, wl, min(n, 600), seconds=min(n, 600) / 200, scores="loop")
             print(f"{label:>5} under ingest, scores on the ingest loop: {row['under_ingest_same_loop']}")
             row["under_ingest_any_cpu"] = under_ingest(ix, wl, min(n, 600), seconds=min(n, 600) / 200, cpu_split=False)
