@@ -164,18 +164,14 @@ pub struct PyIndex {
 
 impl PyIndex {
     /// The index to change; waits for the running scores without the GIL, which they may
-    /// need to finish.
+    /// need to finish, and comes back holding the lock (as `acquire` does, for the same reason).
     pub fn write(&self, py: Python<'_>) -> RwLockWriteGuard<'_, Index> {
-        loop {
-            match self.ix.try_write() {
-                Ok(g) => return g,
-                Err(TryLockError::Poisoned(e)) => return e.into_inner(),
-                Err(TryLockError::WouldBlock) => {
-                    let lock: &RwLock<Index> = &self.ix;
-                    py.detach(|| drop(lock.write()));
-                }
-            }
+        let lock: &RwLock<Index> = &self.ix;
+        if let Some(g) = held(lock.try_write()) {
+            return g;
         }
+        let Taken(g) = py.detach(|| Taken(lock.write().unwrap_or_else(PoisonError::into_inner)));
+        g
     }
 
     /// The index to read; waits for an apply quantum in progress without the GIL.
