@@ -16,10 +16,13 @@ no split and every thread runs where the OS puts it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,18 +56,26 @@ class CpuSplit:
         used its default executor, so that no thread of it stays on ingest's CPU."""
         loop.set_default_executor(ThreadPoolExecutor(initializer=self.pin, initargs=(self.every,)))
 
-    def pin_ingest(self) -> None:
+    def pin_ingest(self) -> bool:
         """The calling thread (ingest's loop) runs on ingest's CPU only."""
-        self.pin(self.ingest)
+        return self.pin(self.ingest)
 
-    def pin_serving(self) -> None:
+    def pin_serving(self) -> bool:
         """The calling thread (an HTTP loop) runs on the serving CPUs only."""
-        self.pin(self.serving)
+        return self.pin(self.serving)
 
-    def unpin(self) -> None:
+    def unpin(self) -> bool:
         """The calling thread runs anywhere again."""
-        self.pin(self.every)
+        return self.pin(self.every)
 
     @staticmethod
-    def pin(cpus: frozenset[int]) -> None:
-        os.sched_setaffinity(0, cpus)  # 0: the calling thread
+    def pin(cpus: frozenset[int]) -> bool:
+        """Whether the calling thread now runs on ``cpus`` only. A refusal (a sandbox without
+        the call, a cpuset changed under the process) leaves it where it was, with a warning:
+        placement is an optimisation, never a reason for a member not to serve."""
+        try:
+            os.sched_setaffinity(0, cpus)  # 0: the calling thread
+        except OSError as e:
+            log.warning("threads not placed on CPUs %s: %s; they run where the OS puts them", sorted(cpus), e)
+            return False
+        return True

@@ -32,6 +32,19 @@ def test_one_cpu_is_ingests_and_the_rest_serve():
     assert CpuSplit.here() == CpuSplit.of(ALLOWED)
 
 
+def test_a_refused_placement_warns_and_leaves_the_thread_where_it_was(caplog):
+    """A member must serve even where the OS refuses to pin (a sandbox, a changed cpuset)."""
+    nowhere = frozenset({max(ALLOWED) + 4096})  # a CPU this process may not use
+    s = CpuSplit(nowhere, nowhere, nowhere)
+
+    def place():
+        return s.pin_ingest(), s.pin_serving(), os.sched_getaffinity(0)
+
+    with caplog.at_level("WARNING", logger="kvwire.consumer.cpus"):
+        assert _in_thread(place) == (False, False, ALLOWED)
+    assert "not placed" in caplog.text
+
+
 def _in_thread(fn):
     out: list = []
     t = threading.Thread(target=lambda: out.append(fn()))
