@@ -268,8 +268,8 @@ async def _run(o: IndexOptions) -> int:
     try:
         if streams is not None:
             await streams.start()
-        if cpus is not None:
-            cpus.pin_ingest()  # this thread runs ingest's loop
+        # This thread runs ingest's loop.
+        placed = cpus is not None and cpus.pin_ingest()
         with reaching_kafka(o.bootstrap_servers):
             await member.start()
     except BaseException:
@@ -288,6 +288,7 @@ async def _run(o: IndexOptions) -> int:
         typer.echo(
             f"kvwire index: group {member.group_id}, {o.security.scheme if o.security else 'http'}://{o.host}:{port}"
             + (f" ({o.http_workers} HTTP workers)" if o.http_workers > 1 else "")
+            + (f", ingest on CPU {','.join(map(str, sorted(cpus.ingest)))}" if cpus is not None and placed else "")
             + (f", event streams from tcp://{o.event_streams[0]}:{o.event_streams[1]}" if o.event_streams else ""),
             err=True,
         )

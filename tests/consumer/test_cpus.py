@@ -148,9 +148,15 @@ def test_kvwire_index_places_its_threads(kafka_bootstrap, new_topic, tmp_path, f
             time.sleep(0.2)
         threads = _threads(p.proc.pid)
         split = CpuSplit.of(ALLOWED)
+        while "kvwire index: group" not in p.tail():  # its start line, printed once ingest runs
+            assert time.monotonic() < deadline, p.tail()
+            time.sleep(0.1)
+        said = "ingest on CPU" in p.tail()
         if flag or split is None:
             assert set(threads.values()) == {ALLOWED}, threads
+            assert not said, p.tail()
         else:
+            assert f"ingest on CPU {min(split.ingest)}" in p.tail(), p.tail()
             # The main thread runs ingest's loop; the HTTP loop is one of the others.
             assert threads[p.proc.pid] == split.ingest, threads
             assert split.serving in threads.values(), threads
