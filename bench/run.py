@@ -240,24 +240,18 @@ def summarize(res: dict, errors: dict) -> dict:
                     f"; ingest on CPU {','.join(map(str, split['ingest']))}, the query thread on "
                     f"{','.join(map(str, split['serving']))} (kvwire index --cpu-split)"
                 )
-            restart = row.get("under_ingest_restart")
-            if restart:
-                notes["score_p99_us_under_ingest"] += (
-                    f"; with that fleet restarting (every rank reset while holding its blocks) p99 "
-                    f"{restart['latency_us']['p99']} us ({restart['applied_blocks_per_s']:,} blocks/s applied)"
-                )
-            anyc = row.get("under_ingest_any_cpu")
-            if anyc:
-                notes["score_p99_us_under_ingest"] += (
-                    f"; with both threads on any CPU (--no-cpu-split) p99 {anyc['latency_us']['p99']} us, "
-                    f"until running {anyc['until_running_us']['p99']} us"
-                )
-            same = row.get("under_ingest_same_loop")
-            if same:
-                notes["score_p99_us_under_ingest"] += (
-                    f"; with the queries on the ingest loop itself p99 {same['latency_us']['p99']} us "
-                    f"({same['applied_blocks_per_s']:,} blocks/s applied)"
-                )
+            # The same query in the other cases of this run, each in one clause.
+            for key, case in (
+                ("under_ingest_restart", "that fleet restarting (every rank reset while holding its blocks)"),
+                ("under_ingest_any_cpu", "both threads on any CPU (--no-cpu-split)"),
+                ("under_ingest_same_loop", "the queries on the ingest loop itself"),
+            ):
+                other = row.get(key)
+                if other:
+                    notes["score_p99_us_under_ingest"] += (
+                        f"; with {case} p99 {other['latency_us']['p99']} us "
+                        f"({other['applied_blocks_per_s']:,} blocks/s applied)"
+                    )
     else:
         missing(sk, "score_latency")
     fs = (sc or {}).get("first_score")
