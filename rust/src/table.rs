@@ -67,7 +67,7 @@ pub fn unmix(h: u64) -> u64 {
 /// Ask for the cache line holding `p`. A hint only: a prefetch reads nothing observable and
 /// never faults, so any address will do (one past a table's end included).
 #[inline(always)]
-fn prefetch_line(p: *const u8) {
+pub(crate) fn prefetch_line(p: *const u8) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: _mm_prefetch has no memory-safety requirement on its address.
     unsafe {
