@@ -714,21 +714,9 @@ def _wlist(workers: Iterable[Any] | None) -> list[tuple[str, int]] | None:
     return [w.worker if isinstance(w, WorkerId) else (str(w[0]), int(w[1])) for w in workers]
 
 
-# dtype objects made once: np.frombuffer converts a scalar type to a dtype on every call, a
-# quarter of what building a score's six arrays cost.
-_U32, _I64, _F64 = np.dtype(np.uint32), np.dtype(np.int64), np.dtype(np.float64)
-
-
-def _arrays(b: _core.ScoreBuffers) -> ScoreArrays:
-    fb = np.frombuffer
-    return ScoreArrays(
-        fb(b.worker, _U32),
-        fb(b.matched_tokens, _I64),
-        fb(b.score, _F64),
-        fb(b.by_off, _U32),
-        fb(b.by_medium, _U32),
-        fb(b.by_tokens, _I64),
-    )
+def _arrays(b: _core.ScoreResult) -> ScoreArrays:
+    """The core's six result arrays (``_core.Index.score``), in ``ScoreArrays``' field order."""
+    return ScoreArrays(*b)
 
 
 _EXPORT_MAGIC = b"KVWI"

@@ -4,6 +4,8 @@
 import enum
 from typing import Any, Literal, final, overload
 
+import numpy as np
+
 from kvwire.schemas.events import EventBatch
 
 __version__: str
@@ -55,16 +57,10 @@ class ScoreQuery:
         tokens_per_key: int
         def __init__(self, keys: Any, tokens_per_key: int) -> None: ...
 
-@final
-class ScoreBuffers:
-    """A score call's results as little-endian arrays, best first (``consumer.index.ScoreArrays``)."""
-
-    worker: bytes  # u32 worker ids
-    matched_tokens: bytes  # i64
-    score: bytes  # f64
-    by_off: bytes  # u32, one more than results
-    by_medium: bytes  # u32 medium ids
-    by_tokens: bytes  # i64
+# A score's results, best first, as ``consumer.index.ScoreArrays``' fields in order: worker
+# (u32 ids), matched_tokens (i64), score (f64), by_off (u32, one more than results), by_medium
+# (u32 medium ids), by_tokens (i64).
+ScoreResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 @final
 class StatsRow:
@@ -134,7 +130,7 @@ class Index:
         exclude: list[tuple[str, int]] | None = None,
         top_k: int | None = None,
         as_json: Literal[False] = False,
-    ) -> ScoreBuffers: ...
+    ) -> ScoreResult: ...
     @overload
     def score(
         self,
@@ -155,7 +151,7 @@ class Index:
         media: list[str],
         workers: list[tuple[str, int]] | None = None,
         top_k: int | None = None,
-    ) -> ScoreBuffers: ...
+    ) -> ScoreResult: ...
     def holder_keys(self) -> tuple[bytes, bytes]: ...
     def worker_holding(self, inst: str, dp: int, keys: Any) -> tuple[bytes, bytes, bytes, bytes]: ...
     def worker_held(self, inst: str, dp: int) -> tuple[bytes, bytes, bytes]: ...
