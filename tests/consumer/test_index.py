@@ -506,3 +506,32 @@ def test_index_equals_oracle_on_one_medium(sc):
                     ix.score(q, block_size=bs, workers=subset, top_k=k)
                     == orc.score(q, block_size=bs, workers=subset)[:k]
                 )
+
+
+def test_score_arrays_are_typed_arrays_each_score_owns():
+    """The core makes ``ScoreArrays``' six arrays itself: their dtypes and shapes are the
+    documented ones, they agree with the oracle's answer, and one score's arrays are not
+    another's (each owns the vectors its walk filled)."""
+    ix, orc = both(
+        ("store", A, ev(TOKS, 16, 0, 4)),
+        ("store", C, ev(TOKS, 16, 0, 2)),
+        ("store", C, ev(TOKS, 16, 0, 2, medium="CPU")),
+    )
+    r = ix.score_arrays(TOKS)
+    dtypes = [a.dtype for a in (r.worker, r.matched_tokens, r.score, r.by_off, r.by_medium, r.by_tokens)]
+    assert dtypes == [np.dtype(t) for t in (np.uint32, np.int64, np.float64, np.uint32, np.uint32, np.int64)]
+    assert len(r.by_off) == len(r.worker) + 1 and r.by_off[-1] == len(r.by_medium) == len(r.by_tokens)
+    want = [(s.instance_id, s.matched_tokens) for s in orc.score(TOKS)]
+    assert [(ix.worker_key(int(w))[0], int(m)) for w, m in zip(r.worker, r.matched_tokens, strict=True)] == want
+    media = ix.media()
+    c = [ix.worker_key(int(w))[0] for w in r.worker].index("c")
+    held = {
+        media[m]: int(t)
+        for m, t in zip(
+            r.by_medium[r.by_off[c] : r.by_off[c + 1]], r.by_tokens[r.by_off[c] : r.by_off[c + 1]], strict=True
+        )
+    }
+    assert held == {"GPU": 32, "CPU": 32}
+    again = ix.score_arrays(TOKS)
+    r.worker[:] = 0
+    assert again.worker.tolist() != r.worker.tolist()
