@@ -388,9 +388,10 @@ def test_index_equals_oracle(sc):
             # The one-medium walk weighs a run as blocks x weight, the spec as a sum of per-block
             # weights: equal up to float rounding (0.8 * 3 vs 0.8 + 0.8 + 0.8), so scores are
             # compared to 1e-9 while order, runs and media must match exactly.
-            assert _rounded(ix.score(q, block_size=bs, weights=weights, workers=subset)) == _rounded(
-                orc.score(q, block_size=bs, weights=weights, workers=subset)
-            )
+            want = _rounded(orc.score(q, block_size=bs, weights=weights, workers=subset))
+            assert _rounded(ix.score(q, block_size=bs, weights=weights, workers=subset)) == want
+            for k in (1, 2):
+                assert _rounded(ix.score(q, block_size=bs, weights=weights, workers=subset, top_k=k)) == want[:k]
     hs = [0, 1, 2, 3]
     assert ix.score_engine_hashes(hs, weights=weights) == orc.score_engine_hashes(hs, weights=weights)
 
@@ -535,3 +536,20 @@ def test_score_arrays_are_typed_arrays_each_score_owns():
     again = ix.score_arrays(TOKS)
     r.worker[:] = 0
     assert again.worker.tolist() != r.worker.tolist()
+
+
+def test_a_top_k_reads_its_hits_media_from_their_workers():
+    """A few hits among many worker-media take their per-medium runs from the hits' own lists
+    (walk.rs, ``FEW_HITS_PER_WM``): the same runs, in the same order, as the oracle's."""
+    media = ["GPU", "CPU", "STORAGE"] + [f"disk{i}" for i in range(8)]
+    ops = []
+    other = [t + 7 for t in TOKS]
+    for i, m in enumerate(media):
+        # Every third medium of A's holds other blocks: a worker-medium that matches nothing.
+        ops.append(("store", A, ev(other if i % 3 == 2 else TOKS, 16, 0, 4 - i % 2, medium=m)))
+        ops.append(("store", C, ev(TOKS, 16, 0, 1 + i % 2, medium=m)))
+    ix, orc = both(*ops)
+    for k in (1, 2):
+        assert _rounded(ix.score(TOKS, top_k=k)) == _rounded(orc.score(TOKS))[:k]
+    best = orc.score(TOKS)[0]
+    assert best.instance_id == "a" and 0 < len(best.by_medium) < len(media)

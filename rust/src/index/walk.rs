@@ -47,7 +47,15 @@ struct Scratch {
     held: Vec<u64>,
     touched: Vec<u32>,
     wtouched: Vec<u32>,
+    by_name: Vec<u32>,
+    at: Vec<u32>,
+    fill: Vec<u32>,
+    matched_wms: Vec<u32>,
 }
+
+/// Below one hit per this many wms, a score's per-medium results are read from its hits'
+/// Workers rather than from passes over every wm.
+const FEW_HITS_PER_WM: usize = 8;
 
 thread_local! {
     /// Taken for a score and put back after it (a score never runs inside another, and if one
@@ -266,6 +274,10 @@ impl Index {
             held,
             touched,
             wtouched,
+            by_name,
+            at: at_s,
+            fill,
+            matched_wms: matched_s,
         } = sc;
         let best_run = filled(best_run, nw, 0);
         let best_score = filled(best_score, nw, 0.0);
@@ -428,7 +440,8 @@ impl Index {
         let n_hits = best_run.iter().filter(|&&r| r > 0).count();
         let hits: Vec<(u64, u64, u32, u32)> = match top_k {
             Some(k) if k < n_hits => {
-                let mut hits: Vec<_> = (0..nw).filter(|&w| best_run[w] > 0).map(key).collect();
+                let mut hits = Vec::with_capacity(n_hits);
+                hits.extend((0..nw).filter(|&w| best_run[w] > 0).map(key));
                 if k == 0 {
                     hits.clear();
                 } else {
@@ -443,13 +456,14 @@ impl Index {
                 // by score and matched tokens. Hits mostly tie (a shared prompt matches hundreds
                 // of workers equally), and a stable sort passes over a tied run once, where a
                 // comparison sort of the whole tuple costs n log n.
-                let mut by_name = vec![u32::MAX; nw];
+                let by_name = filled(by_name, nw, u32::MAX);
                 for w in 0..nw {
                     if best_run[w] > 0 {
                         by_name[nr[w] as usize] = w as u32;
                     }
                 }
-                let hits: Vec<_> = by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)).collect();
+                let mut hits = Vec::with_capacity(n_hits);
+                hits.extend(by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)));
                 by_score_stably(hits)
             }
         };
@@ -457,33 +471,49 @@ impl Index {
         out.matched.reserve(hits.len());
         out.score.reserve(hits.len());
         out.by_off.reserve(hits.len());
+        out.by_medium.reserve(hits.len());
+        out.by_tokens.reserve(hits.len());
         // Each hit's wms that matched, in the order of its `wms`, which is wm id order (wm ids
-        // are handed out in creation order, and a worker's list grows with them): grouped by
-        // worker in passes over the wm arrays, instead of a visit to every hit's Worker.
-        let matched_wm = || best_wm.iter().zip(&self.wm_worker).enumerate().filter(|(_, (&b, _))| b > 0);
-        let mut at = vec![0u32; nw + 1];
-        for (_, (_, &w)) in matched_wm() {
-            at[w as usize + 1] += 1;
+        // are handed out in creation order, and a worker's list grows with them). Few hits (a
+        // top k) read their Workers' lists; many are grouped by worker in passes over the wm
+        // arrays instead of a visit to every hit's Worker.
+        let few = hits.len() * FEW_HITS_PER_WM < nwm;
+        let (mut at, mut matched_wms): (&[u32], &[u32]) = (&[], &[]);
+        if !few {
+            let matched_wm = || best_wm.iter().zip(&self.wm_worker).enumerate().filter(|(_, (&b, _))| b > 0);
+            let at_ = filled(at_s, nw + 1, 0);
+            for (_, (_, &w)) in matched_wm() {
+                at_[w as usize + 1] += 1;
+            }
+            for w in 0..nw {
+                at_[w + 1] += at_[w];
+            }
+            let fill = filled(fill, nw, 0);
+            fill.copy_from_slice(&at_[..nw]);
+            let m = filled(matched_s, at_[nw] as usize, 0);
+            for (wm, (_, &w)) in matched_wm() {
+                m[fill[w as usize] as usize] = wm as u32;
+                fill[w as usize] += 1;
+            }
+            (at, matched_wms) = (at_, m);
         }
-        for w in 0..nw {
-            at[w + 1] += at[w];
-        }
-        let mut fill = at.clone();
-        let mut matched_wms = vec![0u32; at[nw] as usize];
-        for (wm, (_, &w)) in matched_wm() {
-            matched_wms[fill[w as usize] as usize] = wm as u32;
-            fill[w as usize] += 1;
-        }
-        out.by_medium.reserve(matched_wms.len());
-        out.by_tokens.reserve(matched_wms.len());
         for &(_, _, _, w) in &hits {
             let wu = w as usize;
             out.worker.push(w);
             out.matched.push(best_run[wu]);
             out.score.push(best_score[wu]);
-            for &wm in &matched_wms[at[wu] as usize..at[wu + 1] as usize] {
-                out.by_medium.push(self.wm_medium[wm as usize]);
-                out.by_tokens.push(best_wm[wm as usize]);
+            if few {
+                for &wm in &self.workers[wu].wms {
+                    if best_wm[wm as usize] > 0 {
+                        out.by_medium.push(self.wm_medium[wm as usize]);
+                        out.by_tokens.push(best_wm[wm as usize]);
+                    }
+                }
+            } else {
+                for &wm in &matched_wms[at[wu] as usize..at[wu + 1] as usize] {
+                    out.by_medium.push(self.wm_medium[wm as usize]);
+                    out.by_tokens.push(best_wm[wm as usize]);
+                }
             }
             out.by_off.push(out.by_medium.len() as u32);
         }
