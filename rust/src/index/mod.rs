@@ -231,6 +231,9 @@ pub struct Index {
     scratch: Vec<u64>,
     /// How many workers are `grouped`: a score visits the workers for them only when some are.
     n_grouped: usize,
+    /// Some wm's id is not its worker's id. While none is (one wm per worker, made in worker
+    /// order: one medium, one group each), a score's answer reads a hit's wm at its worker id.
+    wm_not_worker: bool,
 }
 
 impl Index {

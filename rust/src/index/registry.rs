@@ -115,6 +115,7 @@ impl Index {
                 let wm = self.wm_worker.len() as u32;
                 self.wm_ids.insert((w, mid, group), wm);
                 self.wm_worker.push(w);
+                self.wm_not_worker |= wm != w;
                 self.wm_medium.push(mid);
                 self.wm_group.push(group);
                 self.hd.wm_tp.push(1);

@@ -509,9 +509,10 @@ impl Index {
         // are handed out in creation order, and a worker's list grows with them). Few hits (a
         // top k) read their Workers' lists; many are grouped by worker in passes over the wm
         // arrays instead of a visit to every hit's Worker.
-        let few = hits.len() * FEW_HITS_PER_WM < nwm;
+        let ident = !self.wm_not_worker;
+        let few = !ident && hits.len() * FEW_HITS_PER_WM < nwm;
         let (mut at, mut matched_wms): (&[u32], &[u32]) = (&[], &[]);
-        if !few {
+        if !ident && !few {
             let matched_wm = || best_wm.iter().zip(&self.wm_worker).enumerate().filter(|(_, (&b, _))| b > 0);
             let at_ = filled(at_s, nw + 1, 0);
             for (_, (_, &w)) in matched_wm() {
@@ -538,7 +539,13 @@ impl Index {
             out.worker.push(w);
             out.matched.push(best_run[wu]);
             out.score.push(best_score[wu]);
-            if few {
+            if ident {
+                // A hit's one wm is its worker id (`wm_not_worker`).
+                if best_wm.get(wu).is_some_and(|&b| b > 0) {
+                    out.by_medium.push(self.wm_medium[wu]);
+                    out.by_tokens.push(best_wm[wu]);
+                }
+            } else if few {
                 for &wm in &self.workers[wu].wms {
                     if best_wm[wm as usize] > 0 {
                         out.by_medium.push(self.wm_medium[wm as usize]);
