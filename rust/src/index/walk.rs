@@ -539,21 +539,16 @@ impl Index {
             out.worker.push(w);
             out.matched.push(best_run[wu]);
             out.score.push(best_score[wu]);
-            if ident {
-                // A hit's one wm is its worker id (`wm_not_worker`).
-                if best_wm.get(wu).is_some_and(|&b| b > 0) {
-                    out.by_medium.push(self.wm_medium[wu]);
-                    out.by_tokens.push(best_wm[wu]);
-                }
+            // Its wms: itself (`wm_not_worker`), its Worker's list, or its run of the passes.
+            let wms: &[u32] = if ident {
+                std::slice::from_ref(&w)
             } else if few {
-                for &wm in &self.workers[wu].wms {
-                    if best_wm[wm as usize] > 0 {
-                        out.by_medium.push(self.wm_medium[wm as usize]);
-                        out.by_tokens.push(best_wm[wm as usize]);
-                    }
-                }
+                &self.workers[wu].wms
             } else {
-                for &wm in &matched_wms[at[wu] as usize..at[wu + 1] as usize] {
+                &matched_wms[at[wu] as usize..at[wu + 1] as usize]
+            };
+            for &wm in wms {
+                if best_wm.get(wm as usize).is_some_and(|&b| b > 0) {
                     out.by_medium.push(self.wm_medium[wm as usize]);
                     out.by_tokens.push(best_wm[wm as usize]);
                 }
