@@ -191,7 +191,7 @@ pub enum Query<'a> {
 
 /// Scores as arrays, best first: worker ids, matched tokens, weighted score,
 /// and per result a slice `by_off[i]..by_off[i+1]` of (medium id, tokens).
-#[derive(Default, Debug)]
+#[derive(Default, Debug, PartialEq)]
 pub struct Scores {
     pub worker: Vec<u32>,
     pub matched: Vec<i64>,

@@ -18,10 +18,8 @@ fn score_order(x: f64) -> u64 {
     }
 }
 
-/// What the general score walk fills per worker and per wm; `walk_one_medium` fills it too.
+/// What `walk_one_medium` fills (`run_wm`) and works in.
 struct Runs<'r> {
-    run_w: &'r mut [u32],
-    score_w: &'r mut [f64],
     run_wm: &'r mut [u32],
     cnt: &'r mut [u32],
     alive: &'r mut Vec<u64>,
@@ -292,6 +290,11 @@ impl Index {
         if nw == 0 || self.s.count == 0 {
             return out;
         }
+        if let ([q], [weight]) = (queries, weights) {
+            if mask.is_none() && self.n_grouped == 0 && !self.wm_not_worker && *weight >= 0.0 {
+                return self.score_one(sc, q, *weight, top_k);
+            }
+        }
         let Scratch {
             best_run,
             best_score,
@@ -352,8 +355,15 @@ impl Index {
             }
             let mut reached = 0usize;
             if self.media.len() == 1 {
-                let out = Runs { run_w, score_w, run_wm, cnt, alive, held, touched };
-                reached = self.walk_one_medium(q, n, ok, every, weights, out);
+                reached = self.walk_one_medium(q, n, ok, every, weights, Runs { run_wm, cnt, alive, held, touched });
+                for wm in 0..nwm {
+                    let r = run_wm[wm];
+                    if r > 0 {
+                        let w = self.wm_worker[wm] as usize;
+                        run_w[w] = run_w[w].max(r);
+                        score_w[w] = score_w[w].max(r as f64 * weights[self.wm_medium[wm] as usize]);
+                    }
+                }
             }
             let mut ks = KeysAhead::new(q, n, &self.s);
             for i in 0..if self.media.len() == 1 { 0 } else { n } {
@@ -458,47 +468,7 @@ impl Index {
         if !hit_any {
             return out;
         }
-        let stale;
-        let nr: &[u32] = if self.name_rank.len() == self.workers.len() {
-            &self.name_rank
-        } else {
-            stale = self.name_order();
-            &stale
-        };
-        // Best first: the weighted score, then the matched tokens, then the name. Each hit gets
-        // that order as plain integers once, so the sort compares words instead of chasing three
-        // arrays per comparison (a shared prompt matches hundreds of workers).
-        let key = |w: usize| (!score_order(best_score[w]), !(best_run[w] as u64), nr[w], w as u32);
-        let n_hits = best_run.iter().filter(|&&r| r > 0).count();
-        let hits: Vec<(u64, u64, u32, u32)> = match top_k {
-            Some(k) if k < n_hits => {
-                let mut hits = Vec::with_capacity(n_hits);
-                hits.extend((0..nw).filter(|&w| best_run[w] > 0).map(key));
-                if k == 0 {
-                    hits.clear();
-                } else {
-                    hits.select_nth_unstable(k - 1);
-                    hits.truncate(k);
-                }
-                hits.sort_unstable();
-                hits
-            }
-            _ => {
-                // Every hit: taken in name order (names rank 0..nw, one each), then sorted stably
-                // by score and matched tokens. Hits mostly tie (a shared prompt matches hundreds
-                // of workers equally), and a stable sort passes over a tied run once, where a
-                // comparison sort of the whole tuple costs n log n.
-                let by_name = filled(by_name, nw, u32::MAX);
-                for w in 0..nw {
-                    if best_run[w] > 0 {
-                        by_name[nr[w] as usize] = w as u32;
-                    }
-                }
-                let mut hits = Vec::with_capacity(n_hits);
-                hits.extend(by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)));
-                by_score_stably(hits)
-            }
-        };
+        let hits = self.ordered_hits(|w| (best_run[w], best_score[w]), top_k, by_name);
         out.worker.reserve(hits.len());
         out.matched.reserve(hits.len());
         out.score.reserve(hits.len());
@@ -558,15 +528,109 @@ impl Index {
         out
     }
 
+    /// A score's hits, best first: the weighted score, then the matched tokens, then the name;
+    /// at most `top_k`. `at(w)`: worker w's (matched tokens, score), matched 0 for no hit.
+    fn ordered_hits(
+        &self,
+        at: impl Fn(usize) -> (i64, f64),
+        top_k: Option<usize>,
+        by_name: &mut Vec<u32>,
+    ) -> Vec<(u64, u64, u32, u32)> {
+        let nw = self.workers.len();
+        let stale;
+        let nr: &[u32] = if self.name_rank.len() == nw {
+            &self.name_rank
+        } else {
+            stale = self.name_order();
+            &stale
+        };
+        // Each hit gets its order as plain integers once, so the sort compares words instead
+        // of chasing three arrays per comparison (a shared prompt matches hundreds of workers).
+        let key = |w: usize| {
+            let (m, sc) = at(w);
+            (!score_order(sc), !(m as u64), nr[w], w as u32)
+        };
+        let hit = |w: &usize| at(*w).0 > 0;
+        let n_hits = (0..nw).filter(hit).count();
+        match top_k {
+            Some(k) if k < n_hits => {
+                let mut hits = Vec::with_capacity(n_hits);
+                hits.extend((0..nw).filter(hit).map(key));
+                if k == 0 {
+                    hits.clear();
+                } else {
+                    hits.select_nth_unstable(k - 1);
+                    hits.truncate(k);
+                }
+                hits.sort_unstable();
+                hits
+            }
+            _ => {
+                // Every hit: taken in name order (names rank 0..nw, one each), then sorted stably
+                // by score and matched tokens. Hits mostly tie (a shared prompt matches hundreds
+                // of workers equally), and a stable sort passes over a tied run once, where a
+                // comparison sort of the whole tuple costs n log n.
+                let by_name = filled(by_name, nw, u32::MAX);
+                for w in (0..nw).filter(hit) {
+                    by_name[nr[w] as usize] = w as u32;
+                }
+                let mut hits = Vec::with_capacity(n_hits);
+                hits.extend(by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)));
+                by_score_stably(hits)
+            }
+        }
+    }
+
+    /// The common score, apart: one query (one block size), one medium, every worker asked, and
+    /// each worker one wm. Its walk's per-wm runs are the answer, read once, where the general
+    /// path sizes and passes over nine per-worker arrays (the same answers: the oracle tests
+    /// run both, and `the_one_query_path_answers_as_the_general_one` pins them equal).
+    fn score_one(&self, sc: &mut Scratch, q: &Query, weight: f64, top_k: Option<usize>) -> Scores {
+        let mut out = Scores::default();
+        out.by_off.push(0);
+        let (n, scale) = match q {
+            Query::Tokens { tokens, bs, .. } => (tokens.len() / 4 / bs, *bs as i64),
+            Query::Keys { keys, scale } => (keys.len(), *scale),
+        };
+        if n == 0 {
+            return out;
+        }
+        let nw = self.workers.len();
+        let Scratch { run_wm, cnt, alive, held, touched, by_name, .. } = sc;
+        let run_wm = filled(run_wm, nw, 0);
+        let cnt = filled(cnt, nw, 0);
+        if self.walk_one_medium(q, n, &[], true, &[weight], Runs { run_wm, cnt, alive, held, touched }) == 0 {
+            return out;
+        }
+        // As the general path computes them: run x weight, then x block size.
+        let at = |w: usize| (run_wm[w] as i64 * scale, run_wm[w] as f64 * weight * scale as f64);
+        let hits = self.ordered_hits(at, top_k, by_name);
+        out.worker.reserve(hits.len());
+        out.matched.reserve(hits.len());
+        out.score.reserve(hits.len());
+        out.by_off.reserve(hits.len());
+        out.by_medium.reserve(hits.len());
+        out.by_tokens.reserve(hits.len());
+        for &(_, _, _, w) in &hits {
+            let (m, score) = at(w as usize);
+            out.worker.push(w);
+            out.matched.push(m);
+            out.score.push(score);
+            out.by_medium.push(self.wm_medium[w as usize]);
+            out.by_tokens.push(m);
+            out.by_off.push(out.by_medium.len() as u32);
+        }
+        out
+    }
+
     /// The walk when every holder is on one medium (one wm per worker): the
     /// workers still matching are a bitset, each block intersects it with the
     /// block's holders (a hot key's holder set, word by word, or the wms its
-    /// slots show holding), and a worker's run is set once, when it drops out.
-    /// Scores are then run x the medium's weight. Fills run_w / score_w /
-    /// run_wm like the general walk; returns the blocks anyone matched. `every`: `ok` is all
-    /// true and no weight excludes a medium.
+    /// slots show holding), and a wm's run is set once, when it drops out.
+    /// Fills `run_wm` (zeroed by the caller); returns the blocks anyone matched. `every`:
+    /// `ok` is all true and no weight excludes a medium.
     fn walk_one_medium(&self, q: &Query, n: usize, ok: &[bool], every: bool, weights: &[f64], out: Runs) -> usize {
-        let Runs { run_w, score_w, run_wm, cnt, alive, held, touched } = out;
+        let Runs { run_wm, cnt, alive, held, touched } = out;
         let nwm = self.wm_worker.len();
         let words = nwm.div_ceil(64);
         let alive = filled(alive, words, 0);
@@ -657,14 +721,6 @@ impl Index {
                 b &= b - 1;
             }
         }
-        for wm in 0..nwm {
-            let r = run_wm[wm];
-            if r > 0 {
-                let w = self.wm_worker[wm] as usize;
-                run_w[w] = run_w[w].max(r);
-                score_w[w] = score_w[w].max(r as f64 * weights[self.wm_medium[wm] as usize]);
-            }
-        }
         reached
     }
 }
@@ -723,6 +779,43 @@ mod tests {
     use crate::index::test_util::{rank, ranked, stored, toks};
     use crate::index::{Ev, RankId, Store, EXCLUDED};
     use crate::keys::Ctx;
+
+    /// The one-query path (`score_one`) answers as the general one, which a mask of every
+    /// worker forces: hits in both 64-wm words, a hot key's holder set, a conversation's own
+    /// tail, ties, a weight, top_k below and above the hits, and a query shorter than a block.
+    #[test]
+    fn the_one_query_path_answers_as_the_general_one() {
+        let mut ix = Index::new();
+        let n = 40usize;
+        let t = toks(n as u32 * 16);
+        let ehs: Vec<u64> = (1..=n as u64).collect();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        for i in 0..100 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            // Every worker holds block 1 (a hot key); then a prefix of its own length.
+            let len = 1 + (x % n as u64) as usize;
+            let inst = format!("w{i:03}");
+            ix.apply(&rank(&inst, 0, 1), &[stored(None, &ehs[..len], &t[..len * 64], None)], true).unwrap();
+        }
+        for weight in [1.0, 0.25, 0.0] {
+            let wf = move |_: &str| weight;
+            let all = vec![true; ix.workers.len()];
+            for top_k in [None, Some(0), Some(1), Some(7), Some(1000)] {
+                for blocks in [0usize, 1, 2, 17, n] {
+                    let q = &t[..blocks * 64 + if blocks == 0 { 8 } else { 0 }];
+                    let ctx = Ctx::One(ix.context(None));
+                    let w = ix.weight_array(wf);
+                    let qs = [Query::Tokens { tokens: q, bs: 16, ctx }];
+                    let fast = ix.score(&qs, &w, None, top_k);
+                    let general = ix.score(&qs, &w, Some(&all), top_k);
+                    assert_eq!(fast, general, "weight {weight} top_k {top_k:?} blocks {blocks}");
+                    assert_eq!(fast.worker.len(), if blocks == 0 { 0 } else { top_k.unwrap_or(100).min(100) });
+                }
+            }
+        }
+    }
 
     /// Grouping by value gives exactly the stable sort's order, with few values or many.
     #[test]
