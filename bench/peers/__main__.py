@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="1M holder-blocks (default 10M)")
     ap.add_argument("--holder-blocks", type=int, default=None, help="holder-block target of the index")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds of alternating processes (at least 3)")
+    ap.add_argument("--rounds", type=int, default=9, help="rounds of alternating processes (at least 3)")
     ap.add_argument("--queries", type=int, default=None, help="8k-token queries per run (default 3000)")
     a = ap.parse_args(argv)
     if a.rounds < 3:
