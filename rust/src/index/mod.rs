@@ -228,6 +228,8 @@ pub struct Index {
     /// Retired rm ids with no slot left in S, for the next table to reuse.
     free_rm: Vec<u32>,
     name_rank: Vec<u32>,
+    /// Worker ids in (instance_id, dp_rank) order, `name_rank`'s inverse, kept with it.
+    name_ids: Vec<u32>,
     scratch: Vec<u64>,
     /// How many workers are `grouped`: a score visits the workers for them only when some are.
     n_grouped: usize,

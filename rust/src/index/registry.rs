@@ -32,8 +32,10 @@ impl Index {
                 }
             }
             self.name_rank.push(p);
+            self.name_ids.insert(p as usize, w);
         } else {
             self.name_rank.clear();
+            self.name_ids.clear();
         }
         self.workers.push(Worker {
             inst: inst.to_owned(),

@@ -45,7 +45,6 @@ struct Scratch {
     held: Vec<u64>,
     touched: Vec<u32>,
     wtouched: Vec<u32>,
-    by_name: Vec<u32>,
     at: Vec<u32>,
     fill: Vec<u32>,
     matched_wms: Vec<u32>,
@@ -309,7 +308,6 @@ impl Index {
             held,
             touched,
             wtouched,
-            by_name,
             at: at_s,
             fill,
             matched_wms: matched_s,
@@ -468,7 +466,7 @@ impl Index {
         if !hit_any {
             return out;
         }
-        let hits = self.ordered_hits(|w| (best_run[w], best_score[w]), top_k, by_name);
+        let hits = self.ordered_hits(|w| (best_run[w], best_score[w]), top_k);
         out.worker.reserve(hits.len());
         out.matched.reserve(hits.len());
         out.score.reserve(hits.len());
@@ -530,19 +528,19 @@ impl Index {
 
     /// A score's hits, best first: the weighted score, then the matched tokens, then the name;
     /// at most `top_k`. `at(w)`: worker w's (matched tokens, score), matched 0 for no hit.
-    fn ordered_hits(
-        &self,
-        at: impl Fn(usize) -> (i64, f64),
-        top_k: Option<usize>,
-        by_name: &mut Vec<u32>,
-    ) -> Vec<(u64, u64, u32, u32)> {
+    fn ordered_hits(&self, at: impl Fn(usize) -> (i64, f64), top_k: Option<usize>) -> Vec<(u64, u64, u32, u32)> {
         let nw = self.workers.len();
-        let stale;
-        let nr: &[u32] = if self.name_rank.len() == nw {
-            &self.name_rank
+        let (stale, stale_ids);
+        let (nr, ids): (&[u32], &[u32]) = if self.name_rank.len() == nw {
+            (&self.name_rank, &self.name_ids)
         } else {
             stale = self.name_order();
-            &stale
+            let mut inv = vec![0u32; nw];
+            for (w, &r) in stale.iter().enumerate() {
+                inv[r as usize] = w as u32;
+            }
+            stale_ids = inv;
+            (&stale, &stale_ids)
         };
         // Each hit gets its order as plain integers once, so the sort compares words instead
         // of chasing three arrays per comparison (a shared prompt matches hundreds of workers).
@@ -550,32 +548,28 @@ impl Index {
             let (m, sc) = at(w);
             (!score_order(sc), !(m as u64), nr[w], w as u32)
         };
-        let hit = |w: &usize| at(*w).0 > 0;
-        let n_hits = (0..nw).filter(hit).count();
         match top_k {
-            Some(k) if k < n_hits => {
-                let mut hits = Vec::with_capacity(n_hits);
-                hits.extend((0..nw).filter(hit).map(key));
-                if k == 0 {
-                    hits.clear();
-                } else {
-                    hits.select_nth_unstable(k - 1);
-                    hits.truncate(k);
+            Some(k) if k < nw => {
+                let mut hits = Vec::with_capacity(nw);
+                hits.extend((0..nw).filter(|&w| at(w).0 > 0).map(key));
+                if k < hits.len() {
+                    if k == 0 {
+                        hits.clear();
+                    } else {
+                        hits.select_nth_unstable(k - 1);
+                        hits.truncate(k);
+                    }
                 }
                 hits.sort_unstable();
                 hits
             }
             _ => {
-                // Every hit: taken in name order (names rank 0..nw, one each), then sorted stably
-                // by score and matched tokens. Hits mostly tie (a shared prompt matches hundreds
-                // of workers equally), and a stable sort passes over a tied run once, where a
-                // comparison sort of the whole tuple costs n log n.
-                let by_name = filled(by_name, nw, u32::MAX);
-                for w in (0..nw).filter(hit) {
-                    by_name[nr[w] as usize] = w as u32;
-                }
-                let mut hits = Vec::with_capacity(n_hits);
-                hits.extend(by_name.iter().filter(|&&w| w != u32::MAX).map(|&w| key(w as usize)));
+                // Every hit: taken in name order, one pass over the workers in that order, then
+                // sorted stably by score and matched tokens. Hits mostly tie (a shared prompt
+                // matches hundreds of workers equally), and a stable sort passes over a tied run
+                // once, where a comparison sort of the whole tuple costs n log n.
+                let mut hits = Vec::with_capacity(nw);
+                hits.extend(ids.iter().map(|&w| w as usize).filter(|&w| at(w).0 > 0).map(key));
                 by_score_stably(hits)
             }
         }
@@ -596,7 +590,7 @@ impl Index {
             return out;
         }
         let nw = self.workers.len();
-        let Scratch { run_wm, cnt, alive, held, touched, by_name, .. } = sc;
+        let Scratch { run_wm, cnt, alive, held, touched, .. } = sc;
         let run_wm = filled(run_wm, nw, 0);
         let cnt = filled(cnt, nw, 0);
         if self.walk_one_medium(q, n, &[], true, &[weight], Runs { run_wm, cnt, alive, held, touched }) == 0 {
@@ -604,7 +598,7 @@ impl Index {
         }
         // As the general path computes them: run x weight, then x block size.
         let at = |w: usize| (run_wm[w] as i64 * scale, run_wm[w] as f64 * weight * scale as f64);
-        let hits = self.ordered_hits(at, top_k, by_name);
+        let hits = self.ordered_hits(at, top_k);
         // One array at a time, each from an exact-size iterator: pushing a hit into six
         // vectors at once kept their lengths in memory, a store and a reload per push (a
         // seventh of a stored conversation's score with its 171 hits).
