@@ -598,20 +598,70 @@ impl Index {
         }
         // As the general path computes them: run x weight, then x block size.
         let at = |w: usize| (run_wm[w] as i64 * scale, run_wm[w] as f64 * weight * scale as f64);
-        let hits = self.ordered_hits(at, top_k);
+        let hits: Vec<u32> = match top_k {
+            Some(k) if k < nw => self.ordered_hits(at, top_k).iter().map(|h| h.3).collect(),
+            _ => self.by_run_then_name(run_wm),
+        };
         // One array at a time, each from an exact-size iterator: pushing a hit into six
         // vectors at once kept their lengths in memory, a store and a reload per push (a
         // seventh of a stored conversation's score with its 171 hits).
         let wm_medium = &self.wm_medium;
         Scores {
-            worker: hits.iter().map(|h| h.3).collect(),
-            matched: hits.iter().map(|h| at(h.3 as usize).0).collect(),
-            score: hits.iter().map(|h| at(h.3 as usize).1).collect(),
+            matched: hits.iter().map(|&w| at(w as usize).0).collect(),
+            score: hits.iter().map(|&w| at(w as usize).1).collect(),
             // Each hit holds on its one medium.
             by_off: (0..=hits.len() as u32).collect(),
-            by_medium: hits.iter().map(|h| wm_medium[h.3 as usize]).collect(),
-            by_tokens: hits.iter().map(|h| at(h.3 as usize).0).collect(),
+            by_medium: hits.iter().map(|&w| wm_medium[w as usize]).collect(),
+            by_tokens: hits.iter().map(|&w| at(w as usize).0).collect(),
+            worker: hits,
         }
+    }
+
+    /// Every worker with a run, longest run first, then by name: the order `ordered_hits`
+    /// gives in `score_one`, where a worker's score and matched tokens both grow with its run
+    /// (weight > 0; at weight 0 every score ties and matched tokens order them). A run takes
+    /// a handful of values, so hits are taken in name order and emitted run by run, ids alone
+    /// (4 bytes a hit where an ordering key is 24).
+    fn by_run_then_name(&self, run: &[u32]) -> Vec<u32> {
+        let nw = self.workers.len();
+        let stale;
+        let ids: &[u32] = if self.name_ids.len() == nw {
+            &self.name_ids
+        } else {
+            let nr = self.name_order();
+            let mut inv = vec![0u32; nw];
+            for (w, &r) in nr.iter().enumerate() {
+                inv[r as usize] = w as u32;
+            }
+            stale = inv;
+            &stale
+        };
+        let mut hits = Vec::with_capacity(nw);
+        let mut runs: Vec<u32> = Vec::with_capacity(FEW_VALUES);
+        let mut few = true;
+        for &w in ids {
+            let r = run[w as usize];
+            if r > 0 {
+                hits.push(w);
+                if few && !runs.contains(&r) {
+                    few = runs.len() < FEW_VALUES;
+                    runs.push(r);
+                }
+            }
+        }
+        if !few {
+            hits.sort_by_key(|&w| std::cmp::Reverse(run[w as usize]));
+            return hits;
+        }
+        if runs.len() <= 1 {
+            return hits;
+        }
+        runs.sort_unstable_by(|a, b| b.cmp(a));
+        let mut out = Vec::with_capacity(hits.len());
+        for r in runs {
+            out.extend(hits.iter().filter(|&&w| run[w as usize] == r));
+        }
+        out
     }
 
     /// The walk when every holder is on one medium (one wm per worker): the
