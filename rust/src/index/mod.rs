@@ -227,8 +227,9 @@ pub struct Index {
     graveyard: std::collections::VecDeque<(RTable, (usize, usize))>,
     /// Retired rm ids with no slot left in S, for the next table to reuse.
     free_rm: Vec<u32>,
+    /// Each worker id's rank in (instance_id, dp_rank) order: the score's last tie-break.
     name_rank: Vec<u32>,
-    /// Worker ids in (instance_id, dp_rank) order, `name_rank`'s inverse, kept with it.
+    /// Worker ids in that order, `name_rank`'s inverse; both kept where a worker is made.
     name_ids: Vec<u32>,
     scratch: Vec<u64>,
     /// How many workers are `grouped`: a score visits the workers for them only when some are.

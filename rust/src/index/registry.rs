@@ -25,18 +25,13 @@ impl Index {
         // The name order is kept current here (O(workers) per new worker) because `score`
         // only reads and would otherwise sort on every call.
         let p = self.workers.iter().filter(|x| (x.inst.as_str(), x.dp) < (inst, dp)).count() as u32;
-        if self.name_rank.len() == self.workers.len() {
-            for r in self.name_rank.iter_mut() {
-                if *r >= p {
-                    *r += 1;
-                }
+        for r in self.name_rank.iter_mut() {
+            if *r >= p {
+                *r += 1;
             }
-            self.name_rank.push(p);
-            self.name_ids.insert(p as usize, w);
-        } else {
-            self.name_rank.clear();
-            self.name_ids.clear();
         }
+        self.name_rank.push(p);
+        self.name_ids.insert(p as usize, w);
         self.workers.push(Worker {
             inst: inst.to_owned(),
             dp,
@@ -149,20 +144,6 @@ impl Index {
     #[inline]
     pub(super) fn tab(&mut self, l: Loc) -> &mut RTable {
         &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2]
-    }
-
-    /// Each worker id's rank in (instance_id, dp_rank) order: the score's last tie-break.
-    pub(super) fn name_order(&self) -> Vec<u32> {
-        let mut order: Vec<u32> = (0..self.workers.len() as u32).collect();
-        order.sort_by(|&a, &b| {
-            let (x, y) = (&self.workers[a as usize], &self.workers[b as usize]);
-            (x.inst.as_str(), x.dp).cmp(&(y.inst.as_str(), y.dp))
-        });
-        let mut nr = vec![0u32; order.len()];
-        for (i, &w) in order.iter().enumerate() {
-            nr[w as usize] = i as u32;
-        }
-        nr
     }
 
     pub fn context(&mut self, lora: Option<&str>) -> u64 {

@@ -530,18 +530,7 @@ impl Index {
     /// at most `top_k`. `at(w)`: worker w's (matched tokens, score), matched 0 for no hit.
     fn ordered_hits(&self, at: impl Fn(usize) -> (i64, f64), top_k: Option<usize>) -> Vec<(u64, u64, u32, u32)> {
         let nw = self.workers.len();
-        let (stale, stale_ids);
-        let (nr, ids): (&[u32], &[u32]) = if self.name_rank.len() == nw {
-            (&self.name_rank, &self.name_ids)
-        } else {
-            stale = self.name_order();
-            let mut inv = vec![0u32; nw];
-            for (w, &r) in stale.iter().enumerate() {
-                inv[r as usize] = w as u32;
-            }
-            stale_ids = inv;
-            (&stale, &stale_ids)
-        };
+        let (nr, ids) = (&self.name_rank, &self.name_ids);
         // Each hit gets its order as plain integers once, so the sort compares words instead
         // of chasing three arrays per comparison (a shared prompt matches hundreds of workers).
         let key = |w: usize| {
@@ -623,23 +612,10 @@ impl Index {
     /// a handful of values, so hits are taken in name order and emitted run by run, ids alone
     /// (4 bytes a hit where an ordering key is 24).
     fn by_run_then_name(&self, run: &[u32]) -> Vec<u32> {
-        let nw = self.workers.len();
-        let stale;
-        let ids: &[u32] = if self.name_ids.len() == nw {
-            &self.name_ids
-        } else {
-            let nr = self.name_order();
-            let mut inv = vec![0u32; nw];
-            for (w, &r) in nr.iter().enumerate() {
-                inv[r as usize] = w as u32;
-            }
-            stale = inv;
-            &stale
-        };
-        let mut hits = Vec::with_capacity(nw);
+        let mut hits = Vec::with_capacity(self.workers.len());
         let mut runs: Vec<u32> = Vec::with_capacity(FEW_VALUES);
         let mut few = true;
-        for &w in ids {
+        for &w in &self.name_ids {
             let r = run[w as usize];
             if r > 0 {
                 hits.push(w);
