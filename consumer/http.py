@@ -112,6 +112,7 @@ from .holds import (
 from .http_security import HttpSecurity
 from .keys import sequence_keys
 from .openapi import document
+from .score_lane import SCORE_LANE, Lane, LaneRunner
 from .tenants import TenantError, check_extra_keys, tenant_extra_keys
 
 log = logging.getLogger(__name__)
@@ -353,33 +354,39 @@ def make_app(
     timers: dict[tuple[Any, str], Callable[[float], None]] = {}
     doc: dict[str, bytes] = {}
 
+    def checked(body: bytes, decode: Callable[[bytes], Any]) -> tuple[Any, Any]:
+        """A request body -> (request, its tenant keys); BadRequest for what is answered 4xx:
+        413 over the token limit, 400 for anything outside the schema (checked first)."""
+        try:
+            req = decode(body)
+            extra = tenant_keys(req)
+        except msgspec.ValidationError as e:
+            raise BadRequest(400, f"invalid request: {e}") from None
+        except msgspec.DecodeError as e:
+            raise BadRequest(400, f"invalid JSON: {e}") from None
+        if len(req.token_ids) > max_tokens:
+            raise BadRequest(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+        return req, extra
+
     async def parse(request: web.Request, decode: Callable[[bytes], Any]) -> tuple[Any, Any] | web.Response:
-        """A request body -> (request, its tenant keys), or the 4xx answer: 413 over the body
-        or token limit, 400 for anything outside the schema (checked first, whatever the size)."""
+        """A request body -> (request, its tenant keys), or the 4xx answer (``checked``; 413
+        over the body limit)."""
         try:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return _error(413, f"body over {max_body_bytes} bytes")
         try:
-            req = decode(body)
-            extra = tenant_keys(req)
-            if len(req.token_ids) > max_tokens:
-                return _error(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+            return checked(body, decode)
         except BadRequest as e:
             return _error(e.status, str(e))
-        except msgspec.ValidationError as e:
-            return _error(400, f"invalid request: {e}")
-        except msgspec.DecodeError as e:
-            return _error(400, f"invalid JSON: {e}")
-        return req, extra
 
-    def score_body(request: web.Request) -> Callable[[bytes], Any]:
-        if request.content_type == BINARY:
-            return lambda body: binary_request(body, request.query, max_tokens)
+    def score_decoder(content_type: str, query: Any) -> Callable[[bytes], Any]:
+        if content_type == BINARY:
+            return lambda body: binary_request(body, query, max_tokens)
 
         def decode(body: bytes) -> Any:
-            if request.query:
-                query_request(request.query)
+            if query:
+                query_request(query)
             return _decoder.decode(body)
 
         return decode
@@ -408,49 +415,74 @@ def make_app(
         try:
             return await run(req, extra)
         finally:
-            scope = "local" if getattr(req, "local", False) or not peers else "scatter"
-            observe = timers.get((latency, scope))
-            if observe is None:  # a labelled child's lookup costs more than the observation
-                observe = timers[(latency, scope)] = latency.labels(scope).observe
-            observe(time.perf_counter() - t0)
+            observe(latency, req, time.perf_counter() - t0)
+
+    def observe(latency: Any, req: Any, seconds: float) -> None:
+        scope = "local" if getattr(req, "local", False) or not peers else "scatter"
+        timer = timers.get((latency, scope))
+        if timer is None:  # a labelled child's lookup costs more than the observation
+            timer = timers[(latency, scope)] = latency.labels(scope).observe
+        timer(seconds)
 
     async def score(request: web.Request) -> web.Response:
-        return await answer(request, score_body(request), _score, applier.metrics.score_latency)
+        return await answer(
+            request, score_decoder(request.content_type, request.query), _score, applier.metrics.score_latency
+        )
 
-    async def _score(req: ScoreRequest, extra: list[Any] | None) -> web.Response:
+    def local_scores(req: ScoreRequest, extra: list[Any] | None) -> bytes | None:
+        """The answer's body when this member answers alone (a peer's ``local`` part, or no
+        peers), else None: the request scatters."""
         k = _top_k(req)
         if req.block_hashes is not None:
-            return await _score_hashes(req, k)
-        tokens = _packed(req.token_ids)
+            if req.local or not peers:
+                return b'{"scores":' + applier.score_keys_json(v1_keys(req.block_hashes), req.block_size, k) + b"}"
+            return None
         if req.local:
             # A peer's part of a scatter: index state only, the asking member adds its holds.
+            local = applier.score_json(_packed(req.token_ids), req.lora_name, req.block_size, k, extra)
+        elif not peers:
+            local = score_json_with_holds(
+                applier, held, _packed(req.token_ids), req.lora_name, req.block_size, k, extra
+            )
+        else:
+            return None
+        return b'{"scores":' + local + b"}"
+
+    async def _score(req: ScoreRequest, extra: list[Any] | None) -> web.Response:
+        alone = local_scores(req, extra)
+        if alone is not None:
+            return web.Response(body=alone, content_type="application/json")
+        k = _top_k(req)
+        if req.block_hashes is not None:
+            local = applier.score_keys_json(v1_keys(req.block_hashes), req.block_size, k)
+            answers, failed = await _scatter(req, k)
+            scores = merge_scores([msgspec.json.decode(local), *answers], k)
+        else:
+            tokens = _packed(req.token_ids)
             local = applier.score_json(tokens, req.lora_name, req.block_size, k, extra)
-            return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
-        if not peers:
-            local = score_json_with_holds(applier, held, tokens, req.lora_name, req.block_size, k, extra)
-            return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
-        local = applier.score_json(tokens, req.lora_name, req.block_size, k, extra)
-        answers, failed = await _scatter(req, k)
-        scores = merge_scores([msgspec.json.decode(local), *answers], k)
-        if held.live():
-            spec = held.credit(tokens, req.lora_name, extra, _sizes(req.block_size))
-            scores = with_speculation(scores, spec, k)
+            answers, failed = await _scatter(req, k)
+            scores = merge_scores([msgspec.json.decode(local), *answers], k)
+            if held.live():
+                spec = held.credit(tokens, req.lora_name, extra, _sizes(req.block_size))
+                scores = with_speculation(scores, spec, k)
         return web.Response(
             body=_json.encode({"scores": scores, "partial": bool(failed), "failed_peers": failed}),
             content_type="application/json",
         )
 
-    async def _score_hashes(req: ScoreRequest, k: int) -> web.Response:
-        keys = v1_keys(req.block_hashes or [])
-        local = applier.score_keys_json(keys, req.block_size, k)
-        if req.local or not peers:
-            return web.Response(body=b'{"scores":' + local + b"}", content_type="application/json")
-        answers, failed = await _scatter(req, k)
-        scores = merge_scores([msgspec.json.decode(local), *answers], k)
-        return web.Response(
-            body=_json.encode({"scores": scores, "partial": bool(failed), "failed_peers": failed}),
-            content_type="application/json",
-        )
+    def lane(body: bytes, content_type: bytes, authorization: bytes | None) -> bytes | None:
+        """``score`` on the score lane (``kvwire.consumer.score_lane``): the same decode,
+        checks and answer; None hands the request to aiohttp, which answers what it refuses."""
+        if security is not None and not security.authorized(authorization):
+            return None
+        try:
+            req, extra = checked(body, score_decoder(content_type.decode(), None))
+        except BadRequest:
+            return None
+        t0 = time.perf_counter()
+        alone = local_scores(req, extra)
+        observe(applier.metrics.score_latency, req, time.perf_counter() - t0)
+        return alone
 
     def _sizes(block_size: int | None) -> list[int]:
         return block_sizes(applier.index.block_sizes(), block_size)
@@ -631,13 +663,16 @@ def make_app(
         else:
             app.router.add_route(op.method, op.path, handlers[op.name])
     app.on_cleanup.append(close_session)
+    if not peers:
+        app[SCORE_LANE] = Lane(lane, max_body_bytes)
     return app
 
 
 async def serve(
     app: web.Application, host: str, port: int, reuse_port: bool = False, tls: ssl.SSLContext | None = None
 ) -> web.AppRunner:
-    runner = web.AppRunner(app, access_log=None)
+    lane = app.get(SCORE_LANE)
+    runner = web.AppRunner(app, access_log=None) if lane is None else LaneRunner(app, lane, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port, reuse_port=reuse_port or None, ssl_context=tls).start()
     return runner

@@ -97,14 +97,18 @@ class HttpSecurity:
     def peer_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
-    def middleware(self) -> Middleware:
-        expected = f"Bearer {self.token}".encode() if self.token else None
+    def authorized(self, authorization: bytes | None) -> bool:
+        """Whether a request with this ``Authorization`` header (None: without one) is let in."""
+        if not self.token:
+            return True
+        return hmac.compare_digest(authorization or b"", f"Bearer {self.token}".encode())
 
+    def middleware(self) -> Middleware:
         @web.middleware
         async def bearer(request: web.Request, handler: Handler) -> web.StreamResponse:
-            if expected is not None:
+            if self.token:
                 got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
+                if not self.authorized(got):
                     return web.json_response(
                         {"error": "missing or wrong bearer token"},
                         status=401,

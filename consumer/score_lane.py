@@ -1,0 +1,235 @@
+"""The score lane: a router's hot request answered without aiohttp's per-request Python.
+
+A member's HTTP connections start on ``ScoreLane``. A request whose head is plainly what a
+router sends on its hot path — ``POST /v1/score HTTP/1.1`` with no query string, a
+``Content-Length`` within the body limit, ``Content-Type`` the binary or the JSON form, and
+none of ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or a ``Connection`` other than
+keep-alive — is answered here, by the app's own ``LaneAnswer`` (the same decode, checks,
+score and latency metric as the aiohttp handler: ``kvwire.consumer.http``). Anything else,
+and any request the answer refuses (a 4xx, a wrong token, an error), hands the connection
+over to aiohttp's protocol with every byte of that request, unanswered: aiohttp then answers
+it exactly as it answers any request, and keeps the connection. So the lane only ever
+answers 200s, and no rule of HTTP or of the API lives here that aiohttp does not apply
+first-hand to everything the lane passes on.
+
+Why: at 8k tokens a score is ~15 µs in the core, and aiohttp's request and response objects,
+middleware chain and writer cost the member ~60 µs of Python per request on top
+(``bench.http_score``; docs/DESIGN.md, "What an HTTP score costs the member").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from email.utils import formatdate
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http import SERVER_SOFTWARE
+
+# (body, its content type, the Authorization header or None) -> the 200 answer's JSON body,
+# or None: let aiohttp answer this request.
+LaneAnswer = Callable[[bytes, bytes, "bytes | None"], "bytes | None"]
+
+
+@dataclass(frozen=True)
+class Lane:
+    """What an app answers on the lane (``make_app`` sets it when it has no peers to scatter
+    to), and its body limit (the app's ``client_max_size``)."""
+
+    answer: LaneAnswer
+    max_body: int
+
+
+SCORE_LANE = web.AppKey("score_lane", Lane)
+
+_REQUEST_LINE = b"POST /v1/score HTTP/1.1"
+_MAX_HEAD = 8190  # aiohttp's own limit on a request line and on a header line
+_FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\x21-\x7e](?:[\t\x20-\x7e]*[\x21-\x7e])?)?[ \t]*")
+_CONTENT_TYPES = (b"application/octet-stream", b"application/json")
+_REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
+IDLE_S = 75.0  # aiohttp's keep-alive timeout: an idle lane closes as an idle aiohttp connection does
+
+
+def _head(head: bytes, max_body: int) -> tuple[int, bytes, bytes | None] | None:
+    """A request head the lane answers -> (body length, content type, Authorization), else None."""
+    lines = head.split(b"\r\n")
+    if lines[0] != _REQUEST_LINE:
+        return None
+    length: int | None = None
+    ctype: bytes | None = None
+    auth: bytes | None = None
+    for line in lines[1:]:
+        m = _FIELD.fullmatch(line)
+        if m is None:
+            return None
+        name, value = m.group(1).lower(), m.group(2) or b""
+        if name == b"content-length":
+            if length is not None or not value.isdigit():
+                return None
+            length = int(value)
+        elif name == b"content-type":
+            if ctype is not None or value.lower() not in _CONTENT_TYPES:
+                return None
+            ctype = value.lower()
+        elif name == b"authorization":
+            if auth is not None:
+                return None
+            auth = value
+        elif name == b"connection":
+            if value.lower() != b"keep-alive":
+                return None
+        elif name in _REFUSED:
+            return None
+    if length is None or length > max_body or ctype is None:
+        return None
+    return length, ctype, auth
+
+
+class _Date:
+    """The Date header, formatted once a second."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.value = b""
+
+    def __call__(self) -> bytes:
+        now = int(time.time())
+        if now != self.second:
+            self.second, self.value = now, formatdate(now, usegmt=True).encode()
+        return self.value
+
+
+_date = _Date()
+
+
+class ScoreLane(asyncio.Protocol):
+    """One connection: hot-path scores answered here until a request is not one."""
+
+    def __init__(self, server: web.Server, lane: Lane, lanes: set[ScoreLane]) -> None:
+        self.server, self.answer, self.max_body, self.lanes = server, lane.answer, lane.max_body, lanes
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.head: tuple[int, int, bytes, bytes | None] | None = None  # body start, body end, type, auth
+        self.paused = False
+        self.seen = 0.0
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.lanes.add(self)
+        self.seen = time.monotonic()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lanes.discard(self)
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        self.seen = time.monotonic()
+        self._serve()
+
+    def pause_writing(self) -> None:
+        # A client that does not read its answers stops being read, as aiohttp does.
+        self.paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        if self.transport is not None:
+            self.transport.resume_reading()
+            self._serve()
+
+    def _serve(self) -> None:
+        buf = self.buf
+        while not self.paused and self.transport is not None:
+            if self.head is None:
+                end = buf.find(b"\r\n\r\n", 0, _MAX_HEAD + 4)
+                if end < 0:
+                    if len(buf) > _MAX_HEAD + 4:
+                        self._hand_over()
+                    return
+                parsed = _head(bytes(buf[:end]), self.max_body)
+                if parsed is None:
+                    self._hand_over()
+                    return
+                length, ctype, auth = parsed
+                self.head = (end + 4, end + 4 + length, ctype, auth)
+            start, stop, ctype, auth = self.head
+            if len(buf) < stop:
+                return
+            try:
+                body = self.answer(bytes(buf[start:stop]), ctype, auth)
+            except Exception:  # aiohttp answers it again, and logs what it raises, as a 500
+                body = None
+            if body is None:
+                self._hand_over()
+                return
+            self.transport.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\nServer: %s\r\n\r\n"
+                % (len(body), _date(), _SERVER)
+            )
+            self.transport.write(body)
+            self.head = None
+            del buf[:stop]
+            if not buf:
+                return
+
+    def _hand_over(self) -> None:
+        """aiohttp's protocol takes the connection and every byte of the unanswered request."""
+        transport, data = self.transport, bytes(self.buf)
+        assert transport is not None
+        self.lanes.discard(self)
+        self.transport, self.buf = None, bytearray()
+        handler = self.server()
+        transport.set_protocol(handler)
+        handler.connection_made(transport)
+        if self.paused:
+            handler.pause_writing()
+        if data:
+            handler.data_received(data)
+
+
+_SERVER = SERVER_SOFTWARE.encode()
+
+
+class LaneRunner(web.AppRunner):
+    """An ``AppRunner`` whose sites accept connections on ``ScoreLane``."""
+
+    def __init__(self, app: web.Application, lane: Lane, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.lane = lane
+        self.lanes: set[ScoreLane] = set()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    @property
+    def server(self) -> Any:  # what a site's create_server calls per connection
+        real = web.AppRunner.server.fget(self)  # type: ignore[attr-defined]
+        if real is None:
+            return None
+
+        def lane() -> ScoreLane:
+            if self._sweeper is None:
+                self._sweep()
+            return ScoreLane(real, self.lane, self.lanes)
+
+        return lane
+
+    def _sweep(self) -> None:
+        cutoff = time.monotonic() - IDLE_S
+        for lane in [ln for ln in self.lanes if ln.seen < cutoff and ln.head is None and not ln.buf]:
+            if lane.transport is not None:
+                lane.transport.close()
+        self._sweeper = asyncio.get_running_loop().call_later(IDLE_S / 5, self._sweep)
+
+    async def shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for lane in list(self.lanes):
+            if lane.transport is not None:
+                lane.transport.close()
+        await super().shutdown()

@@ -1,0 +1,291 @@
+"""The score lane answers a router's hot requests itself and everything else through aiohttp:
+each answer is compared with plain aiohttp's (the same app served without the lane, the
+oracle), over hand-written requests, pipelines across a hand-over, requests in pieces, and
+heads that hypothesis makes up."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+from aiohttp import web
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scoring_workload import fed, oracle_json, queries, records
+
+from kvwire.consumer import score_lane
+from kvwire.consumer.http import bound_port, make_app, serve
+from kvwire.consumer.http_security import HttpSecurity
+
+MAX_BODY = 64 * 1024
+MAX_TOKENS = 1000
+
+
+@pytest.fixture(scope="module")
+def populated():
+    return fed(records())
+
+
+def le(tokens) -> bytes:
+    return np.asarray(tokens, "<u4").tobytes()
+
+
+def request(body: bytes, *headers: str, line: str = "POST /v1/score HTTP/1.1", length: bool = True) -> bytes:
+    head = [line, "Host: 127.0.0.1", *headers]
+    if length:
+        head.append(f"Content-Length: {len(body)}")
+    return ("\r\n".join(head) + "\r\n\r\n").encode() + body
+
+
+BIN = "Content-Type: application/octet-stream"
+JSON = "Content-Type: application/json"
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, str, bytes] | None:
+    """(status, content type, body) of one answer; None at EOF."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    lines = head.decode().split("\r\n")
+    status = int(lines[0].split()[1])
+    fields = {k.lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
+    body = await reader.readexactly(int(fields.get("content-length", "0")))
+    return status, fields.get("content-type", ""), body
+
+
+async def exchange(
+    port: int, raw: bytes, answers: int = 1, pieces: int = 0, wait_s: float = 10
+) -> list[tuple[int, str, bytes] | str | None]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        if pieces:
+            for i in range(0, len(raw), pieces):
+                writer.write(raw[i : i + pieces])
+                await writer.drain()
+        else:
+            writer.write(raw)
+        out: list[tuple[int, str, bytes] | str | None] = []
+        for _ in range(answers):
+            try:
+                out.append(await asyncio.wait_for(read_answer(reader), wait_s))
+            except TimeoutError:
+                out.append("no answer")  # the server waits for more of the request
+        return out
+    finally:
+        writer.close()
+
+
+class Pair:
+    """The same app twice over one index: on the lane (``serve``) and on plain aiohttp."""
+
+    def __init__(self, applier, security: HttpSecurity | None = None) -> None:
+        self.applier, self.security = applier, security
+
+    async def __aenter__(self) -> Pair:
+        def app() -> web.Application:
+            return make_app(
+                self.applier, lambda: True, max_tokens=MAX_TOKENS, max_body_bytes=MAX_BODY, security=self.security
+            )
+
+        self.lane_runner = await serve(app(), "127.0.0.1", 0)
+        assert isinstance(self.lane_runner, score_lane.LaneRunner)
+        self.lane = bound_port(self.lane_runner)
+        self.plain_runner = web.AppRunner(app(), access_log=None)
+        await self.plain_runner.setup()
+        await web.TCPSite(self.plain_runner, "127.0.0.1", 0).start()
+        self.plain = bound_port(self.plain_runner)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.lane_runner.cleanup()
+        await self.plain_runner.cleanup()
+
+    async def both(self, raw: bytes, answers: int = 1, wait_s: float = 10):
+        return await exchange(self.lane, raw, answers, wait_s=wait_s), await exchange(
+            self.plain, raw, answers, wait_s=wait_s
+        )
+
+    async def on_lane(self, raw: bytes) -> bool:
+        """Whether the lane, not aiohttp, answered ``raw`` (the connection is still a lane's)."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.lane)
+        try:
+            writer.write(raw)
+            await asyncio.wait_for(read_answer(reader), 10)
+            return len(self.lane_runner.lanes) == 1
+        finally:
+            writer.close()
+            await writer.wait_closed()
+            for _ in range(100):  # the server sees the close on its next read
+                if not self.lane_runner.lanes:
+                    break
+                await asyncio.sleep(0.01)
+
+
+TOKENS = queries()[0][0]
+HOT = [
+    request(le(TOKENS), BIN),
+    request(json.dumps({"token_ids": TOKENS}).encode(), JSON),
+    request(json.dumps({"token_ids": TOKENS, "limit": 2}).encode(), "content-type: APPLICATION/JSON"),
+    request(le(TOKENS), BIN, "Connection: keep-alive", "X-Anything: at all", "Authorization: Bearer ignored"),
+    request(le(TOKENS), "content-type:application/octet-stream", "user-agent:\tx y\t"),
+    request(b"", BIN),
+]
+HANDED_OVER = [
+    request(le(TOKENS), BIN, line="POST /v1/score?top_k=2 HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score HTTP/1.0"),
+    request(le(TOKENS), BIN, "Connection: close"),
+    request(le(TOKENS), "Content-Type: application/octet-stream; x=1"),
+    request(le(TOKENS), BIN, "Content-Length: 5", length=False),
+    request(b"\x01\x00\x00", BIN),
+    request(le(range(MAX_TOKENS + 1)), BIN),
+    request(b"{", JSON),
+    request(b'{"token_ids": [1], "nope": 1}', JSON),
+    request(b"x" * (MAX_BODY + 1), BIN),
+    request(b"", line="GET /v1/workers HTTP/1.1", length=False),
+    request(b"", line="GET /healthz HTTP/1.1", length=False),
+    request(le(TOKENS), "Content-Type: text/plain"),
+    request(le(TOKENS), BIN, "Expect: 100-continue"),
+    request(le(TOKENS), BIN, "Bad Header: x"),
+    request(le(TOKENS), BIN, "Content-Length: 4", "Content-Length: 4", length=False),
+    (
+        b"POST /v1/score HTTP/1.1\r\nHost: x\r\nContent-Type: application/octet-stream\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % len(le(TOKENS)) + le(TOKENS) + b"\r\n0\r\n\r\n"
+    ),
+]
+
+
+async def test_the_lane_answers_hot_requests_and_aiohttp_the_rest_the_same(populated):
+    async with Pair(populated[0]) as p:
+        for raw in HOT + HANDED_OVER:
+            lane, plain = await p.both(raw)
+            assert lane == plain, raw[:120]
+            assert lane[0] is not None
+        for raw in HOT:
+            assert await p.on_lane(raw), raw[:120]
+        for raw in HANDED_OVER:
+            assert not await p.on_lane(raw), raw[:120]
+
+
+async def test_lane_answers_equal_the_oracle(populated):
+    applier, oracle = populated
+    async with Pair(applier) as p:
+        for tokens, lora, bs in queries():
+            if lora is not None or bs is not None:
+                continue  # those fields ride in the query string: aiohttp's (test_http_binary)
+            [(status, ctype, body)] = await exchange(p.lane, request(le(tokens), BIN))
+            assert (status, ctype) == (200, "application/json")
+            assert json.loads(body)["scores"] == oracle_json(oracle, tokens, None, None, 64)
+
+
+async def test_a_pipeline_is_answered_in_order_across_a_hand_over(populated):
+    q = queries()
+    pipeline = [request(le(q[0][0]), BIN), request(b"", line="GET /v1/digest HTTP/1.1", length=False)]
+    pipeline += [request(le(q[1][0]), BIN), request(b"\x01", BIN), request(le(q[2][0]), BIN)]
+    async with Pair(populated[0]) as p:
+        lane = await exchange(p.lane, b"".join(pipeline), len(pipeline))
+        one_by_one = [(await exchange(p.plain, raw))[0] for raw in pipeline]
+        assert lane == one_by_one
+        assert [a[0] for a in lane if a] == [200, 200, 200, 400, 200]
+
+
+async def test_a_request_arriving_in_pieces(populated):
+    raw = b"".join([request(le(TOKENS), BIN), request(le(queries()[1][0]), BIN)])
+    async with Pair(populated[0]) as p:
+        for pieces in (1, 7, 1000):
+            lane, plain = await exchange(p.lane, raw, 2, pieces), await exchange(p.plain, raw, 2)
+            assert lane == plain and lane[0][0] == 200
+
+
+async def test_a_client_that_reads_late_gets_every_answer(populated):
+    """Enough pipelined answers to fill the socket's buffers before the client reads one:
+    the lane stops reading while it cannot write, then answers the rest."""
+    raw = request(le(TOKENS), BIN)
+    n = 3000
+    async with Pair(populated[0]) as p:
+        [want] = await exchange(p.plain, raw)
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.lane)
+        writer.write(raw * n)
+        await asyncio.sleep(0.5)
+        got = [await asyncio.wait_for(read_answer(reader), 10) for _ in range(n)]
+        writer.close()
+        assert got == [want] * n
+
+
+async def test_the_lane_times_its_scores(populated):
+    applier = populated[0]
+
+    def count() -> float:
+        n = applier.metrics.registry.get_sample_value("kvwire_score_latency_seconds_count", {"scope": "local"})
+        return n or 0.0
+
+    async with Pair(applier) as p:
+        before = count()
+        assert await p.on_lane(request(le(TOKENS), BIN))
+        assert count() == before + 1
+
+
+async def test_a_token_is_checked_before_the_lane_answers(populated, tmp_path):
+    (tmp_path / "t").write_text("s3cret\n")
+    sec = HttpSecurity.from_files(token_file=str(tmp_path / "t"))
+    async with Pair(populated[0], sec) as p:
+        for auth, status, lane in (
+            ("Authorization: Bearer s3cret", 200, True),
+            ("Authorization: Bearer wrong", 401, False),
+            ("X-No-Token: 1", 401, False),
+        ):
+            raw = request(le(TOKENS), BIN, auth)
+            a, b = await p.both(raw)
+            assert a == b and a[0][0] == status
+            assert await p.on_lane(raw) is lane
+
+
+async def test_an_idle_lane_is_closed(populated, monkeypatch):
+    monkeypatch.setattr(score_lane, "IDLE_S", 0.2)
+    async with Pair(populated[0]) as p:
+        reader, writer = await asyncio.open_connection("127.0.0.1", p.lane)
+        writer.write(request(le(TOKENS), BIN))
+        assert (await read_answer(reader))[0] == 200
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the sweep
+        writer.close()
+
+
+_NAMES = st.sampled_from(
+    ["Content-Type", "content-length", "Connection", "Expect", "X-A", "Transfer-Encoding", "Bad Name", "Upgrade"]
+)
+_VALUES = st.sampled_from(
+    [
+        "application/octet-stream",
+        "application/json",
+        "keep-alive",
+        "close",
+        "16",
+        "+16",
+        " 16 ",
+        "chunked",
+        "100-continue",
+        "",
+        "\t x",
+        "a\x01b",
+        "websocket",
+    ]
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(headers=st.lists(st.tuples(_NAMES, _VALUES), max_size=5), hot=st.booleans())
+def test_made_up_heads_are_answered_as_aiohttp_answers_them(populated, headers, hot):
+    """Whatever the head, the lane's answer is aiohttp's: the lane answers only what it
+    reads exactly as aiohttp does, and hands the rest over."""
+    body = le(TOKENS[:4])
+    fixed = [BIN, f"Content-Length: {len(body)}"] if hot else []
+    raw = request(body, *fixed, *(f"{n}:{v}" for n, v in headers), length=False)
+
+    async def run():
+        async with Pair(populated[0]) as p:
+            return await p.both(raw, wait_s=1)
+
+    lane, plain = asyncio.run(run())
+    assert lane == plain, raw[:300]
