@@ -470,18 +470,23 @@ def make_app(
             content_type="application/json",
         )
 
-    def lane(body: bytes, content_type: bytes, authorization: bytes | None) -> bytes | None:
+    def lane(body: bytes, content_type: bytes, authorization: bytes | None, query: Any) -> bytes | None:
         """``score`` on the score lane (``kvwire.consumer.score_lane``): the same decode,
-        checks and answer; None hands the request to aiohttp, which answers what it refuses."""
+        checks and answer; None hands the request to aiohttp, which answers what it refuses
+        and scatters what this member does not answer alone."""
         if security is not None and not security.authorized(authorization):
             return None
+        ctype = content_type.decode()
+        if peers and ctype != BINARY:
+            return None  # a JSON body is decoded once, by aiohttp, which will likely scatter it
         try:
-            req, extra = checked(body, score_decoder(content_type.decode(), None))
+            req, extra = checked(body, score_decoder(ctype, query))
         except BadRequest:
             return None
         t0 = time.perf_counter()
         alone = local_scores(req, extra)
-        observe(applier.metrics.score_latency, req, time.perf_counter() - t0)
+        if alone is not None:
+            observe(applier.metrics.score_latency, req, time.perf_counter() - t0)
         return alone
 
     def _sizes(block_size: int | None) -> list[int]:
@@ -663,8 +668,7 @@ def make_app(
         else:
             app.router.add_route(op.method, op.path, handlers[op.name])
     app.on_cleanup.append(close_session)
-    if not peers:
-        app[SCORE_LANE] = Lane(lane, max_body_bytes)
+    app[SCORE_LANE] = Lane(lane, max_body_bytes)
     return app
 
 

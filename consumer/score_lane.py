@@ -1,7 +1,8 @@
 """The score lane: a router's hot request answered without aiohttp's per-request Python.
 
 A member's HTTP connections start on ``ScoreLane``. A request whose head is plainly what a
-router sends on its hot path — ``POST /v1/score HTTP/1.1`` with no query string, a
+router (or a peer asking for its ``local`` part) sends on its hot path — ``POST /v1/score
+HTTP/1.1`` with or without a query string, a
 ``Content-Length`` within the body limit, ``Content-Type`` the binary or the JSON form, and
 none of ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or a ``Connection`` other than
 keep-alive — is answered here, by the app's own ``LaneAnswer`` (the same decode, checks,
@@ -29,16 +30,18 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http import SERVER_SOFTWARE
+from multidict import MultiDict, MultiDictProxy
+from yarl import URL
 
-# (body, its content type, the Authorization header or None) -> the 200 answer's JSON body,
-# or None: let aiohttp answer this request.
-LaneAnswer = Callable[[bytes, bytes, "bytes | None"], "bytes | None"]
+# (body, its content type, the Authorization header or None, the query as aiohttp reads it)
+# -> the 200 answer's JSON body, or None: let aiohttp answer this request.
+LaneAnswer = Callable[[bytes, bytes, "bytes | None", "MultiDictProxy[str]"], "bytes | None"]
 
 
 @dataclass(frozen=True)
 class Lane:
-    """What an app answers on the lane (``make_app`` sets it when it has no peers to scatter
-    to), and its body limit (the app's ``client_max_size``)."""
+    """What an app answers on the lane (``make_app``'s), and its body limit (the app's
+    ``client_max_size``)."""
 
     answer: LaneAnswer
     max_body: int
@@ -46,7 +49,8 @@ class Lane:
 
 SCORE_LANE = web.AppKey("score_lane", Lane)
 
-_REQUEST_LINE = b"POST /v1/score HTTP/1.1"
+# The target as RFC 3986 spells a path and query (no fragment, nothing llhttp would refuse).
+_REQUEST_LINE = re.compile(rb"POST /v1/score(?:\?([\w!$&'()*+,/:;=?@.~%-]*))? HTTP/1\.1")
 _MAX_HEAD = 8190  # aiohttp's own limit on a request line and on a header line
 _FIELD = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([\x21-\x7e](?:[\t\x20-\x7e]*[\x21-\x7e])?)?[ \t]*")
 _CONTENT_TYPES = (b"application/octet-stream", b"application/json")
@@ -54,10 +58,23 @@ _REFUSED = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
 IDLE_S = 75.0  # aiohttp's keep-alive timeout: an idle lane closes as an idle aiohttp connection does
 
 
-def _head(head: bytes, max_body: int) -> tuple[int, bytes, bytes | None] | None:
-    """A request head the lane answers -> (body length, content type, Authorization), else None."""
+def _query(query: bytes | None) -> MultiDictProxy[str]:
+    """The query string as ``request.query`` reads it: aiohttp's parser builds a request's URL
+    with this same call."""
+    if not query:
+        return _NO_QUERY
+    return URL.build(path="/v1/score", query_string=query.decode(), encoded=True).query
+
+
+_NO_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
+
+
+def _head(head: bytes, max_body: int) -> tuple[int, bytes, bytes | None, bytes | None] | None:
+    """A request head the lane answers -> (body length, content type, Authorization, query
+    string), else None."""
     lines = head.split(b"\r\n")
-    if lines[0] != _REQUEST_LINE:
+    target = _REQUEST_LINE.fullmatch(lines[0])
+    if target is None:
         return None
     length: int | None = None
     ctype: bytes | None = None
@@ -86,7 +103,7 @@ def _head(head: bytes, max_body: int) -> tuple[int, bytes, bytes | None] | None:
             return None
     if length is None or length > max_body or ctype is None:
         return None
-    return length, ctype, auth
+    return length, ctype, auth, target.group(1)
 
 
 class _Date:
@@ -113,7 +130,8 @@ class ScoreLane(asyncio.Protocol):
         self.server, self.answer, self.max_body, self.lanes = server, lane.answer, lane.max_body, lanes
         self.transport: asyncio.Transport | None = None
         self.buf = bytearray()
-        self.head: tuple[int, int, bytes, bytes | None] | None = None  # body start, body end, type, auth
+        # body start, body end, content type, Authorization, query string
+        self.head: tuple[int, int, bytes, bytes | None, bytes | None] | None = None
         self.paused = False
         self.seen = 0.0
 
@@ -156,13 +174,13 @@ class ScoreLane(asyncio.Protocol):
                 if parsed is None:
                     self._hand_over()
                     return
-                length, ctype, auth = parsed
-                self.head = (end + 4, end + 4 + length, ctype, auth)
-            start, stop, ctype, auth = self.head
+                length, ctype, auth, query = parsed
+                self.head = (end + 4, end + 4 + length, ctype, auth, query)
+            start, stop, ctype, auth, query = self.head
             if len(buf) < stop:
                 return
             try:
-                body = self.answer(bytes(buf[start:stop]), ctype, auth)
+                body = self.answer(bytes(buf[start:stop]), ctype, auth, _query(query))
             except Exception:  # aiohttp answers it again, and logs what it raises, as a 500
                 body = None
             if body is None:

@@ -81,13 +81,18 @@ async def exchange(
 class Pair:
     """The same app twice over one index: on the lane (``serve``) and on plain aiohttp."""
 
-    def __init__(self, applier, security: HttpSecurity | None = None) -> None:
-        self.applier, self.security = applier, security
+    def __init__(self, applier, security: HttpSecurity | None = None, peers: list[str] | None = None) -> None:
+        self.applier, self.security, self.peers = applier, security, peers
 
     async def __aenter__(self) -> Pair:
         def app() -> web.Application:
             return make_app(
-                self.applier, lambda: True, max_tokens=MAX_TOKENS, max_body_bytes=MAX_BODY, security=self.security
+                self.applier,
+                lambda: True,
+                max_tokens=MAX_TOKENS,
+                max_body_bytes=MAX_BODY,
+                security=self.security,
+                peers=self.peers,
             )
 
         self.lane_runner = await serve(app(), "127.0.0.1", 0)
@@ -132,9 +137,16 @@ HOT = [
     request(le(TOKENS), BIN, "Connection: keep-alive", "X-Anything: at all", "Authorization: Bearer ignored"),
     request(le(TOKENS), "content-type:application/octet-stream", "user-agent:\tx y\t"),
     request(b"", BIN),
+    request(le(TOKENS), BIN, line="POST /v1/score?top_k=2 HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score?local=true&top_k=3&block_size=16 HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score?lora_name=a%20b&top_k=1&top_k=2 HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score? HTTP/1.1"),
 ]
 HANDED_OVER = [
-    request(le(TOKENS), BIN, line="POST /v1/score?top_k=2 HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score?top_k=0 HTTP/1.1"),  # the lane's check refuses it: 400
+    request(le(TOKENS), BIN, line="POST /v1/score?tokens=1 HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score?top_k=2#frag HTTP/1.1"),
+    request(le(TOKENS), BIN, line="POST /v1/score/ HTTP/1.1"),
     request(le(TOKENS), BIN, line="POST /v1/score HTTP/1.0"),
     request(le(TOKENS), BIN, "Connection: close"),
     request(le(TOKENS), "Content-Type: application/octet-stream; x=1"),
@@ -169,15 +181,31 @@ async def test_the_lane_answers_hot_requests_and_aiohttp_the_rest_the_same(popul
             assert not await p.on_lane(raw), raw[:120]
 
 
+async def test_with_peers_the_lane_answers_local_parts_and_aiohttp_scatters(populated):
+    down = "http://127.0.0.1:9"  # a peer that refuses: the scatter's answer is partial
+    async with Pair(populated[0], peers=[down]) as p:
+        local = request(le(TOKENS), BIN, line="POST /v1/score?local=true&top_k=4 HTTP/1.1")
+        whole = request(le(TOKENS), BIN)
+        as_json = request(json.dumps({"token_ids": TOKENS, "local": True}).encode(), JSON)
+        for raw, on_lane in ((local, True), (whole, False), (as_json, False)):
+            a, b = await p.both(raw)
+            assert a == b and a[0][0] == 200
+            assert await p.on_lane(raw) is on_lane
+        [(_, _, scattered)] = await exchange(p.lane, whole)
+        assert json.loads(scattered)["failed_peers"] == [down]
+
+
 async def test_lane_answers_equal_the_oracle(populated):
     applier, oracle = populated
     async with Pair(applier) as p:
         for tokens, lora, bs in queries():
-            if lora is not None or bs is not None:
-                continue  # those fields ride in the query string: aiohttp's (test_http_binary)
-            [(status, ctype, body)] = await exchange(p.lane, request(le(tokens), BIN))
+            query = "&".join(f"{k}={v}" for k, v in (("lora_name", lora), ("block_size", bs)) if v is not None)
+            line = f"POST /v1/score{'?' + query if query else ''} HTTP/1.1"
+            raw = request(le(tokens), BIN, line=line)
+            [(status, ctype, body)] = await exchange(p.lane, raw)
             assert (status, ctype) == (200, "application/json")
-            assert json.loads(body)["scores"] == oracle_json(oracle, tokens, None, None, 64)
+            assert json.loads(body)["scores"] == oracle_json(oracle, tokens, lora, bs, 64)
+            assert await p.on_lane(raw)
 
 
 async def test_a_pipeline_is_answered_in_order_across_a_hand_over(populated):
@@ -274,14 +302,33 @@ _VALUES = st.sampled_from(
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(headers=st.lists(st.tuples(_NAMES, _VALUES), max_size=5), hot=st.booleans())
-def test_made_up_heads_are_answered_as_aiohttp_answers_them(populated, headers, hot):
+_TARGETS = st.sampled_from(
+    [
+        "/v1/score",
+        "/v1/score?top_k=2",
+        "/v1/score?local=true&top_k=1",
+        "/v1/score?local=1",
+        "/v1/score?top_k=%32",
+        "/v1/score?lora_name=%E2%82%AC",
+        "/v1/score?lora_name=%zz",
+        "/v1/score?top_k=1&top_k=x",
+        "/v1/score?extra_keys=%5B%5D",
+        "/v1/score?cache_salt=a+b",
+        "/v1/score?=",
+        "/v1/score??",
+        "/v1//score",
+    ]
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(headers=st.lists(st.tuples(_NAMES, _VALUES), max_size=5), hot=st.booleans(), target=_TARGETS)
+def test_made_up_heads_are_answered_as_aiohttp_answers_them(populated, headers, hot, target):
     """Whatever the head, the lane's answer is aiohttp's: the lane answers only what it
     reads exactly as aiohttp does, and hands the rest over."""
     body = le(TOKENS[:4])
     fixed = [BIN, f"Content-Length: {len(body)}"] if hot else []
-    raw = request(body, *fixed, *(f"{n}:{v}" for n, v in headers), length=False)
+    raw = request(body, *fixed, *(f"{n}:{v}" for n, v in headers), line=f"POST {target} HTTP/1.1", length=False)
 
     async def run():
         async with Pair(populated[0]) as p:
