@@ -36,6 +36,10 @@ score answer shows them (``speculative_tokens``) only while one is live, and is 
 for byte what it was without them. Peers asked with ``local`` answer without their holds; the
 member a request reached adds its own.
 
+The score lane (``kvwire.consumer.score_lane``): every connection starts there, and a plain
+``POST /v1/score`` is answered by ``make_app``'s own decode, checks and answer without aiohttp's
+request and response objects; anything else goes to aiohttp, which answers as it always has.
+
 Scale-out within a host: ``HttpWorkers`` runs the same app on N threads, each with its
 own event loop on an ``SO_REUSEPORT`` socket of the same port; the kernel spreads
 connections over them and they all read the one index (see ``kvwire.consumer.router``

@@ -124,14 +124,18 @@ _date = _Date()
 
 
 class ScoreLane(asyncio.Protocol):
-    """One connection: hot-path scores answered here until a request is not one."""
+    """One connection: hot-path scores answered here until a request is not one.
+
+    A request that arrives whole in one read (the usual case) is sliced out of that read once,
+    its body with it; one that arrives in pieces is kept as its pieces and joined once it is
+    all there."""
 
     def __init__(self, server: web.Server, lane: Lane, lanes: set[ScoreLane]) -> None:
         self.server, self.answer, self.max_body, self.lanes = server, lane.answer, lane.max_body, lanes
         self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        # body start, body end, content type, Authorization, query string
-        self.head: tuple[int, int, bytes, bytes | None, bytes | None] | None = None
+        self.pending: list[bytes] = []  # the start of a request not yet whole (or not yet served)
+        self.have = 0  # bytes in pending
+        self.wanted = 0  # bytes pending must reach before the request is looked at again
         self.paused = False
         self.seen = 0.0
 
@@ -144,10 +148,20 @@ class ScoreLane(asyncio.Protocol):
         self.lanes.discard(self)
         self.transport = None
 
+    @property
+    def idle(self) -> bool:
+        return not self.pending
+
     def data_received(self, data: bytes) -> None:
-        self.buf += data
         self.seen = time.monotonic()
-        self._serve()
+        if self.pending:
+            self.pending.append(data)
+            self.have += len(data)
+            if self.have < self.wanted or self.paused:
+                return
+            data = b"".join(self.pending)
+            self.pending, self.have = [], 0
+        self._serve(data)
 
     def pause_writing(self) -> None:
         # A client that does not read its answers stops being read, as aiohttp does.
@@ -159,49 +173,58 @@ class ScoreLane(asyncio.Protocol):
         self.paused = False
         if self.transport is not None:
             self.transport.resume_reading()
-            self._serve()
+            if self.pending:
+                data = b"".join(self.pending)
+                self.pending, self.have = [], 0
+                self._serve(data)
 
-    def _serve(self) -> None:
-        buf = self.buf
-        while not self.paused and self.transport is not None:
-            if self.head is None:
-                end = buf.find(b"\r\n\r\n", 0, _MAX_HEAD + 4)
-                if end < 0:
-                    if len(buf) > _MAX_HEAD + 4:
-                        self._hand_over()
-                    return
-                parsed = _head(bytes(buf[:end]), self.max_body)
-                if parsed is None:
-                    self._hand_over()
-                    return
-                length, ctype, auth, query = parsed
-                self.head = (end + 4, end + 4 + length, ctype, auth, query)
-            start, stop, ctype, auth, query = self.head
-            if len(buf) < stop:
+    def _keep(self, rest: bytes, wanted: int) -> None:
+        self.pending, self.have, self.wanted = [rest], len(rest), wanted
+
+    def _serve(self, data: bytes) -> None:
+        pos, n = 0, len(data)
+        while pos < n:
+            if self.paused or self.transport is None:
+                self._keep(data[pos:], 0)
+                return
+            end = data.find(b"\r\n\r\n", pos, pos + _MAX_HEAD + 4)
+            if end < 0:
+                if n - pos > _MAX_HEAD + 4:
+                    self._hand_over(data[pos:])
+                else:
+                    self._keep(data[pos:], n - pos + 1)
+                return
+            parsed = _head(data[pos:end], self.max_body)
+            if parsed is None:
+                self._hand_over(data[pos:])
+                return
+            length, ctype, auth, query = parsed
+            stop = end + 4 + length
+            if stop > n:
+                self._keep(data[pos:], stop - pos)
                 return
             try:
-                body = self.answer(bytes(buf[start:stop]), ctype, auth, _query(query))
+                body = self.answer(data[end + 4 : stop], ctype, auth, _query(query))
             except Exception:  # aiohttp answers it again, and logs what it raises, as a 500
                 body = None
             if body is None:
-                self._hand_over()
+                self._hand_over(data[pos:])
                 return
-            self.transport.write(
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nDate: %s\r\nServer: %s\r\n\r\n"
-                % (len(body), _date(), _SERVER)
+            self.transport.writelines(
+                (
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+                    b"Date: %s\r\nServer: %s\r\n\r\n" % (len(body), _date(), _SERVER),
+                    body,
+                )
             )
-            self.transport.write(body)
-            self.head = None
-            del buf[:stop]
-            if not buf:
-                return
+            pos = stop
 
-    def _hand_over(self) -> None:
+    def _hand_over(self, data: bytes) -> None:
         """aiohttp's protocol takes the connection and every byte of the unanswered request."""
-        transport, data = self.transport, bytes(self.buf)
+        transport = self.transport
         assert transport is not None
         self.lanes.discard(self)
-        self.transport, self.buf = None, bytearray()
+        self.transport = None
         handler = self.server()
         transport.set_protocol(handler)
         handler.connection_made(transport)
@@ -238,7 +261,7 @@ class LaneRunner(web.AppRunner):
 
     def _sweep(self) -> None:
         cutoff = time.monotonic() - IDLE_S
-        for lane in [ln for ln in self.lanes if ln.seen < cutoff and ln.head is None and not ln.buf]:
+        for lane in [ln for ln in self.lanes if ln.seen < cutoff and ln.idle]:
             if lane.transport is not None:
                 lane.transport.close()
         self._sweeper = asyncio.get_running_loop().call_later(IDLE_S / 5, self._sweep)
