@@ -291,6 +291,8 @@ _VALUES = st.sampled_from(
         "close",
         "16",
         "+16",
+        "016",
+        "16 16",
         " 16 ",
         "chunked",
         "100-continue",
@@ -336,3 +338,44 @@ def test_made_up_heads_are_answered_as_aiohttp_answers_them(populated, headers, 
 
     lane, plain = asyncio.run(run())
     assert lane == plain, raw[:300]
+
+
+async def test_http_workers_threads_serve_the_lane_over_tls(populated, tmp_path):
+    """HttpWorkers' threads (uvloop's transports) under TLS: a score on the lane, a hand-over,
+    and scores again on the connection aiohttp now keeps, each as plain aiohttp answers."""
+    import ssl
+
+    import aiohttp
+    from certs import self_signed
+
+    from kvwire.consumer.http import HttpWorkers
+
+    pem, ca = self_signed(tmp_path)
+    sec = HttpSecurity.from_files(cert=str(pem))
+    assert sec is not None
+    workers = HttpWorkers(
+        lambda: make_app(populated[0], lambda: True, security=sec),
+        "127.0.0.1",
+        0,
+        1,
+        on_caller_loop=False,
+        tls=sec.server_context(),
+    )
+    port = await workers.start()
+    try:
+        async with Pair(populated[0]) as p:
+            [want] = await exchange(p.plain, request(le(TOKENS), BIN))
+        ctx = ssl.create_default_context(cafile=str(ca))
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx, limit=1)) as s:
+            url = f"https://127.0.0.1:{port}"
+            for step in ("score", "digest", "score", "score"):
+                if step == "digest":
+                    async with s.get(f"{url}/v1/digest") as r:
+                        assert r.status == 200
+                    continue
+                async with s.post(
+                    f"{url}/v1/score", data=le(TOKENS), headers={"Content-Type": "application/octet-stream"}
+                ) as r:
+                    assert (r.status, r.content_type, await r.read()) == want
+    finally:
+        await workers.cleanup()
