@@ -457,18 +457,16 @@ def make_app(
         if alone is not None:
             return web.Response(body=alone, content_type="application/json")
         k = _top_k(req)
+        tokens = _packed(req.token_ids)
         if req.block_hashes is not None:
             local = applier.score_keys_json(v1_keys(req.block_hashes), req.block_size, k)
-            answers, failed = await _scatter(req, k)
-            scores = merge_scores([msgspec.json.decode(local), *answers], k)
         else:
-            tokens = _packed(req.token_ids)
             local = applier.score_json(tokens, req.lora_name, req.block_size, k, extra)
-            answers, failed = await _scatter(req, k)
-            scores = merge_scores([msgspec.json.decode(local), *answers], k)
-            if held.live():
-                spec = held.credit(tokens, req.lora_name, extra, _sizes(req.block_size))
-                scores = with_speculation(scores, spec, k)
+        answers, failed = await _scatter(req, k)
+        scores = merge_scores([msgspec.json.decode(local), *answers], k)
+        if req.block_hashes is None and held.live():
+            spec = held.credit(tokens, req.lora_name, extra, _sizes(req.block_size))
+            scores = with_speculation(scores, spec, k)
         return web.Response(
             body=_json.encode({"scores": scores, "partial": bool(failed), "failed_peers": failed}),
             content_type="application/json",

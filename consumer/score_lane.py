@@ -101,7 +101,8 @@ def _head(head: bytes, max_body: int) -> tuple[int, bytes, bytes | None, bytes |
                 return None
         elif name in _REFUSED:
             return None
-    if length is None or length > max_body or ctype is None:
+    # At the limit itself aiohttp decides (its versions have differed on whether it is in).
+    if length is None or length >= max_body or ctype is None:
         return None
     return length, ctype, auth, target.group(1)
 

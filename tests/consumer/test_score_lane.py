@@ -156,6 +156,7 @@ HANDED_OVER = [
     request(b"{", JSON),
     request(b'{"token_ids": [1], "nope": 1}', JSON),
     request(b"x" * (MAX_BODY + 1), BIN),
+    request(b"x" * MAX_BODY, BIN),
     request(b"", line="GET /v1/workers HTTP/1.1", length=False),
     request(b"", line="GET /healthz HTTP/1.1", length=False),
     request(le(TOKENS), "Content-Type: text/plain"),
