@@ -96,33 +96,25 @@ fn next_cap(need: usize, mut cap: usize) -> usize {
 
 // ------------------------------------------------------------------ R tables
 
-/// An engine hash and the key it was stored under, side by side: a lookup's compare and its
-/// answer are one cache line, where parallel arrays made them two.
-#[derive(Clone, Copy, Default)]
-#[repr(C)]
-pub struct RSlot {
-    pub eh: u64,
-    pub key: u64,
-}
-
 #[derive(Clone)]
 pub struct RShard {
-    pub slot: Vec<RSlot>,
+    pub eh: Vec<u64>,
+    pub key: Vec<u64>,
     pub meta: Vec<u16>,
     len: usize,
 }
 
 impl RShard {
     fn new(cap: usize) -> Self {
-        RShard { slot: vec![RSlot::default(); cap], meta: vec![0; cap], len: 0 }
+        RShard { eh: vec![0; cap], key: vec![0; cap], meta: vec![0; cap], len: 0 }
     }
 
     #[inline]
     fn find(&self, eh: u64, h: u64) -> Option<usize> {
-        let cap = self.slot.len();
+        let cap = self.eh.len();
         let mut j = home(h, cap);
         while self.meta[j] != 0 {
-            if self.slot[j].eh == eh {
+            if self.eh[j] == eh {
                 return Some(j);
             }
             j += 1;
@@ -134,14 +126,14 @@ impl RShard {
     }
 
     fn grow(&mut self, need: usize) {
-        let cap = next_cap(need, self.slot.len());
-        if cap == self.slot.len() {
+        let cap = next_cap(need, self.eh.len());
+        if cap == self.eh.len() {
             return;
         }
         let old = std::mem::replace(self, RShard::new(cap));
-        for i in 0..old.slot.len() {
+        for i in 0..old.eh.len() {
             if old.meta[i] != 0 {
-                self.put(old.slot[i].eh, mix(old.slot[i].eh), old.slot[i].key, old.meta[i]);
+                self.put(old.eh[i], mix(old.eh[i]), old.key[i], old.meta[i]);
             }
         }
     }
@@ -149,10 +141,10 @@ impl RShard {
     /// Insert an engine hash known to be absent (capacity checked here).
     #[inline]
     fn put(&mut self, eh: u64, h: u64, key: u64, meta: u16) {
-        if self.len + 1 > limit(self.slot.len()) {
+        if self.len + 1 > limit(self.eh.len()) {
             self.grow(self.len + 1);
         }
-        let cap = self.slot.len();
+        let cap = self.eh.len();
         let mut j = home(h, cap);
         while self.meta[j] != 0 {
             j += 1;
@@ -160,13 +152,14 @@ impl RShard {
                 j = 0;
             }
         }
-        self.slot[j] = RSlot { eh, key };
+        self.eh[j] = eh;
+        self.key[j] = key;
         self.meta[j] = meta;
         self.len += 1;
     }
 
     fn delete(&mut self, mut i: usize) {
-        let cap = self.slot.len();
+        let cap = self.eh.len();
         let mut j = i;
         loop {
             j += 1;
@@ -176,11 +169,12 @@ impl RShard {
             if self.meta[j] == 0 {
                 break;
             }
-            let h = home(mix(self.slot[j].eh), cap);
+            let h = home(mix(self.eh[j]), cap);
             // Move j back to the hole i unless j's home lies cyclically in (i, j].
             let stay = if i <= j { i < h && h <= j } else { h > i || h <= j };
             if !stay {
-                self.slot[i] = self.slot[j];
+                self.eh[i] = self.eh[j];
+                self.key[i] = self.key[j];
                 self.meta[i] = self.meta[j];
                 i = j;
             }
@@ -243,9 +237,10 @@ impl RTable {
     pub fn prefetch(&self, eh: u64) {
         let h = mix(eh);
         let s = &self.shards[self.r_shard(h)];
-        let j = home(h, s.slot.len());
+        let j = home(h, s.eh.len());
         prefetch_line(s.meta.as_ptr().wrapping_add(j) as *const u8);
-        prefetch_line(s.slot.as_ptr().wrapping_add(j) as *const u8);
+        prefetch_line(s.eh.as_ptr().wrapping_add(j) as *const u8);
+        prefetch_line(s.key.as_ptr().wrapping_add(j) as *const u8);
     }
 
     /// (key, meta) of an engine hash.
@@ -253,7 +248,7 @@ impl RTable {
     pub fn get(&self, eh: u64) -> Option<(u64, u16)> {
         let h = mix(eh);
         let s = &self.shards[self.r_shard(h)];
-        s.find(eh, h).map(|j| (s.slot[j].key, s.meta[j]))
+        s.find(eh, h).map(|j| (s.key[j], s.meta[j]))
     }
 
     #[inline]
@@ -280,18 +275,17 @@ impl RTable {
         let at = self.next;
         let old = std::mem::replace(&mut self.shards[at], RShard::new(MIN_CAP));
         let bit = self.base;
-        let high = (0..old.slot.len())
-            .filter(|&i| old.meta[i] != 0 && (mix(old.slot[i].eh) >> 32) as usize & bit != 0)
-            .count();
+        let high =
+            (0..old.eh.len()).filter(|&i| old.meta[i] != 0 && (mix(old.eh[i]) >> 32) as usize & bit != 0).count();
         // Each half as full as a growth would leave it (0.6-0.9): room to spare here costs
         // bytes per holder-block in every rank's table.
         let sized = |n: usize| RShard::new(next_cap(n, MIN_CAP));
         let (mut lo, mut hi) = (sized(old.len - high), sized(high));
-        for i in 0..old.slot.len() {
+        for i in 0..old.eh.len() {
             if old.meta[i] != 0 {
-                let h = mix(old.slot[i].eh);
+                let h = mix(old.eh[i]);
                 let s = if (h >> 32) as usize & bit != 0 { &mut hi } else { &mut lo };
-                s.put(old.slot[i].eh, h, old.slot[i].key, old.meta[i]);
+                s.put(old.eh[i], h, old.key[i], old.meta[i]);
             }
         }
         self.shards[at] = lo;
@@ -324,7 +318,7 @@ impl RTable {
         let at = self.r_shard(h);
         let s = &mut self.shards[at];
         let j = s.find(eh, h)?;
-        let out = (s.slot[j].key, s.meta[j]);
+        let out = (s.key[j], s.meta[j]);
         s.delete(j);
         self.count -= 1;
         if out.1 & ORPHAN != 0 {
@@ -339,7 +333,7 @@ impl RTable {
         let per = (extra / self.shards.len()).min(R_SPLIT_LEN);
         for s in &mut self.shards {
             let need = s.len + per + per / 8 + 4;
-            if need > limit(s.slot.len()) {
+            if need > limit(s.eh.len()) {
                 s.grow(need);
             }
         }
@@ -347,9 +341,9 @@ impl RTable {
 
     /// Every live entry: (engine hash, key, meta).
     pub fn entries(&self) -> impl Iterator<Item = (u64, u64, u16)> + '_ {
-        self.shards.iter().flat_map(|s| {
-            (0..s.slot.len()).filter(move |&i| s.meta[i] != 0).map(move |i| (s.slot[i].eh, s.slot[i].key, s.meta[i]))
-        })
+        self.shards
+            .iter()
+            .flat_map(|s| (0..s.eh.len()).filter(move |&i| s.meta[i] != 0).map(move |i| (s.eh[i], s.key[i], s.meta[i])))
     }
 
     /// Empty the table (counters of unknown removes and duplicates survive).
@@ -362,7 +356,7 @@ impl RTable {
     }
 
     pub fn nbytes(&self) -> usize {
-        self.shards.iter().map(|s| s.slot.len() * 18).sum::<usize>() + 64
+        self.shards.iter().map(|s| s.eh.len() * 18).sum::<usize>() + 64
     }
 }
 

@@ -361,12 +361,12 @@ impl Index {
             let Some((t, (si, j))) = self.graveyard.front_mut() else { return };
             while *si < t.shards.len() {
                 let sh = &t.shards[*si];
-                while *j < sh.slot.len() {
+                while *j < sh.eh.len() {
                     if budget == 0 {
                         return;
                     }
                     if sh.meta[*j] != 0 {
-                        self.s.purge(sh.slot[*j].key, t.rm);
+                        self.s.purge(sh.key[*j], t.rm);
                         budget -= 1;
                     }
                     *j += 1;
