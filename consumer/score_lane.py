@@ -1,17 +1,17 @@
 """The score lane: a router's hot request answered without aiohttp's per-request Python.
 
 A member's HTTP connections start on ``ScoreLane``. A request whose head is plainly what a
-router (or a peer asking for its ``local`` part) sends on its hot path — ``POST /v1/score
-HTTP/1.1`` with or without a query string, a
-``Content-Length`` within the body limit, ``Content-Type`` the binary or the JSON form, and
+router (or a peer asking for its ``local`` part) sends on its hot path is answered here:
+``POST /v1/score HTTP/1.1``, with or without a query string, a ``Content-Length`` under the
+body limit, ``Content-Type`` the binary or the JSON form, every header line well formed, and
 none of ``Transfer-Encoding``, ``Expect``, ``Upgrade`` or a ``Connection`` other than
-keep-alive — is answered here, by the app's own ``LaneAnswer`` (the same decode, checks,
-score and latency metric as the aiohttp handler: ``kvwire.consumer.http``). Anything else,
-and any request the answer refuses (a 4xx, a wrong token, an error), hands the connection
-over to aiohttp's protocol with every byte of that request, unanswered: aiohttp then answers
-it exactly as it answers any request, and keeps the connection. So the lane only ever
-answers 200s, and no rule of HTTP or of the API lives here that aiohttp does not apply
-first-hand to everything the lane passes on.
+keep-alive. The answer is the app's own ``LaneAnswer``: the same decode, checks, score and
+latency metric as the aiohttp handler (``kvwire.consumer.http``). Anything else, and any
+request the answer refuses (a 4xx, a wrong token, an error), hands the connection over to
+aiohttp's protocol with every byte of that request, unanswered: aiohttp then answers it exactly
+as it answers any request, and keeps the connection. So the lane only ever answers 200s, and
+no rule of HTTP or of the API lives here that aiohttp does not apply first-hand to everything
+the lane passes on.
 
 Why: at 8k tokens a score is ~15 µs in the core, and aiohttp's request and response objects,
 middleware chain and writer cost the member ~60 µs of Python per request on top
@@ -221,16 +221,16 @@ class ScoreLane(asyncio.Protocol):
             pos = stop
 
     def _hand_over(self, data: bytes) -> None:
-        """aiohttp's protocol takes the connection and every byte of the unanswered request."""
+        """aiohttp's protocol takes the connection and every byte of the unanswered request.
+        Never while paused (``_serve`` keeps the bytes until writing resumes): the lane paused
+        the reading, and aiohttp's protocol would not know to resume it."""
         transport = self.transport
-        assert transport is not None
+        assert transport is not None and not self.paused
         self.lanes.discard(self)
         self.transport = None
         handler = self.server()
         transport.set_protocol(handler)
         handler.connection_made(transport)
-        if self.paused:
-            handler.pause_writing()
         if data:
             handler.data_received(data)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 
 import numpy as np
 import pytest
@@ -228,19 +229,30 @@ async def test_a_request_arriving_in_pieces(populated):
             assert lane == plain and lane[0][0] == 200
 
 
-async def test_a_client_that_reads_late_gets_every_answer(populated):
+async def test_a_client_that_reads_late_gets_every_answer(populated, monkeypatch):
     """Enough pipelined answers to fill the socket's buffers before the client reads one:
-    the lane stops reading while it cannot write, then answers the rest."""
+    the lane stops reading while it cannot write, then answers the rest, and a request it
+    does not answer, met while it waits, still goes to aiohttp once writing resumes."""
     raw = request(le(TOKENS), BIN)
-    n = 3000
+    other = request(b"", line="GET /v1/digest HTTP/1.1", length=False)
+    n = 20_000  # ~6 MB of answers: more than the kernel buffers past a small receive window
+    pauses = []
+    pause = score_lane.ScoreLane.pause_writing
+    monkeypatch.setattr(score_lane.ScoreLane, "pause_writing", lambda lane: pauses.append(1) or pause(lane))
     async with Pair(populated[0]) as p:
         [want] = await exchange(p.plain, raw)
-        reader, writer = await asyncio.open_connection("127.0.0.1", p.lane)
-        writer.write(raw * n)
+        [digest] = await exchange(p.plain, other)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", p.lane))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(raw * n + other + raw)
         await asyncio.sleep(0.5)
-        got = [await asyncio.wait_for(read_answer(reader), 10) for _ in range(n)]
+        got = [await asyncio.wait_for(read_answer(reader), 10) for _ in range(n + 2)]
         writer.close()
-        assert got == [want] * n
+        assert got == [want] * n + [digest, want]
+        assert pauses  # the case this test is for: the lane had to stop
 
 
 async def test_the_lane_times_its_scores(populated):
