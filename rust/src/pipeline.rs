@@ -393,7 +393,8 @@ enum Stop {
 /// runs its Python meanwhile and takes the locks between two quanta: a quantum ends early
 /// when a reader waits (`py_index::acquire`), and the next one starts once the readers
 /// waiting have their locks. A reader sees every record whole or not at all, and the fence
-/// as of the same record.
+/// as of the same record. A table that a quantum fills past its load limit is not grown in
+/// it: the writer builds it between quanta under the read lock (`index/growth.rs`).
 #[pyfunction]
 #[pyo3(signature = (index, fence, records, start, budget_us, now_us, schema_ids=None))]
 pub fn apply_poll<'py>(
@@ -443,16 +444,27 @@ pub fn apply_poll<'py>(
         let stop = py.detach(|| {
             let (t, dead, seen) = (tr, dr, sr);
             let mut k = 0;
+            // Whether the index may hold growths deferred by a quantum (an earlier call's too).
+            let mut deferred = true;
             loop {
+                // Deferred growths are built under the read lock, beside the scores, and put in
+                // by the quantum (`index/growth.rs`).
+                let grown = deferred.then(|| ix_lock.read().unwrap_or_else(PoisonError::into_inner).prepare_growth());
                 let mut fg = fence_lock.lock().unwrap_or_else(PoisonError::into_inner);
                 // Scores in flight end sooner than this thread would be woken once they did.
                 let mut ixw = spin_for(|| held(ix_lock.try_write()))
                     .unwrap_or_else(|| ix_lock.write().unwrap_or_else(PoisonError::into_inner));
                 let (ix, f) = (&mut *ixw, &mut *fg);
+                if let Some(g) = grown {
+                    ix.install_growth(g);
+                }
+                ix.writes += 1;
+                ix.defer_growth(true);
                 let q0 = std::time::Instant::now();
                 let quantum = budget_us.saturating_sub(t0.elapsed().as_micros() as u64).clamp(1, QUANTUM_US);
                 while k < bytes.len() {
                     let Ok(rec) = decode::decode_framed(bytes[k], version_of) else {
+                        ix.defer_growth(false);
                         return Stop::Declined(k);
                     };
                     let o = own(&rec, ix);
@@ -473,6 +485,8 @@ pub fn apply_poll<'py>(
                         break;
                     }
                 }
+                ix.defer_growth(false);
+                deferred = ix.growth_deferred();
                 drop(ixw);
                 drop(fg);
                 if k == bytes.len() {

@@ -166,12 +166,15 @@ pub struct PyIndex {
 impl PyIndex {
     /// The index to change; waits for the running scores without the GIL, which they may
     /// need to finish, and comes back holding the lock (as `acquire` does, for the same reason).
+    /// Every such write moves `Index::writes` on, so that growth an apply call prepared
+    /// before it is not put in after it.
     pub fn write(&self, py: Python<'_>) -> RwLockWriteGuard<'_, Index> {
         let lock: &RwLock<Index> = &self.ix;
-        if let Some(g) = held(lock.try_write()) {
-            return g;
-        }
-        let Taken(g) = py.detach(|| Taken(lock.write().unwrap_or_else(PoisonError::into_inner)));
+        let mut g = match held(lock.try_write()) {
+            Some(g) => g,
+            None => py.detach(|| Taken(lock.write().unwrap_or_else(PoisonError::into_inner))).0,
+        };
+        g.writes += 1;
         g
     }
 

@@ -9,7 +9,9 @@
 //! (a growth is a wait for every score beside ingest: with 256 shards it was
 //! ~1 ms, several hundred times a second at 1M blocks/s), and
 //! shards fill at about the same rate but cross their thresholds in different
-//! calls, so the growth is staggered instead of one long pause.
+//! calls, so the growth is staggered instead of one long pause. Inside an apply
+//! quantum even that pause is not taken: the shard runs fuller for a while and
+//! the writer grows it between quanta, beside the scores (`index/growth.rs`).
 //!
 //! - **S** (one per index), the scoring table: (block key, rm) -> count, `rm`
 //!   being a (worker, tp rank, medium, KV-cache group); the count is how many
@@ -87,6 +89,15 @@ fn limit(cap: usize) -> usize {
     (cap * MAX_LOAD_NUM / MAX_LOAD_DEN).min(cap - 1)
 }
 
+/// How full a shard may get while its growth is deferred (`STable::defer`): past `limit`, an
+/// apply quantum keeps inserting into it until the writer has grown it beside the scores (see
+/// `Index::prepare_growth`); this far, the quantum grows it itself. At least one slot stays
+/// empty, which every probe relies on.
+#[inline]
+fn hard_limit(cap: usize) -> usize {
+    (cap - cap / 16).min(cap - 1)
+}
+
 fn next_cap(need: usize, mut cap: usize) -> usize {
     while limit(cap) < need {
         cap = MIN_CAP.max(cap * 3 / 2 + 1);
@@ -126,16 +137,20 @@ impl RShard {
     }
 
     fn grow(&mut self, need: usize) {
-        let cap = next_cap(need, self.eh.len());
-        if cap == self.eh.len() {
-            return;
+        if next_cap(need, self.eh.len()) != self.eh.len() {
+            *self = self.grown(need);
         }
-        let old = std::mem::replace(self, RShard::new(cap));
-        for i in 0..old.eh.len() {
-            if old.meta[i] != 0 {
-                self.put(old.eh[i], mix(old.eh[i]), old.key[i], old.meta[i]);
+    }
+
+    /// This shard rehashed into the capacity `need` entries ask for; reads `self` only.
+    fn grown(&self, need: usize) -> RShard {
+        let mut new = RShard::new(next_cap(need, self.eh.len()));
+        for i in 0..self.eh.len() {
+            if self.meta[i] != 0 {
+                new.put(self.eh[i], mix(self.eh[i]), self.key[i], self.meta[i]);
             }
         }
+        new
     }
 
     /// Insert an engine hash known to be absent (capacity checked here).
@@ -144,6 +159,12 @@ impl RShard {
         if self.len + 1 > limit(self.eh.len()) {
             self.grow(self.len + 1);
         }
+        self.put_in(eh, h, key, meta);
+    }
+
+    /// `put` without the capacity check: the caller made room or deferred the growth.
+    #[inline]
+    fn put_in(&mut self, eh: u64, h: u64, key: u64, meta: u16) {
         let cap = self.eh.len();
         let mut j = home(h, cap);
         while self.meta[j] != 0 {
@@ -300,15 +321,45 @@ impl RTable {
     /// Insert an absent engine hash.
     #[inline]
     pub fn insert(&mut self, eh: u64, key: u64, meta: u16) {
+        self.insert_deferring(eh, key, meta, false);
+    }
+
+    /// `insert`; with `defer`, a shard past its load limit takes the entry as it is (up to
+    /// `hard_limit`) instead of growing inside the caller's quantum. True when this insert
+    /// took a shard past its limit: the table is then for `Index::prepare_growth` to grow.
+    #[inline]
+    pub fn insert_deferring(&mut self, eh: u64, key: u64, meta: u16, defer: bool) -> bool {
         let h = mix(eh);
         if self.count as usize >= self.shards.len() * R_SPLIT_LEN {
             self.split();
         }
         let at = self.r_shard(h);
-        self.shards[at].put(eh, h, key, meta);
+        let s = &mut self.shards[at];
+        let cap = s.eh.len();
+        let deferred = defer && s.len + 1 > limit(cap) && s.len < hard_limit(cap);
+        if deferred {
+            s.put_in(eh, h, key, meta);
+        } else {
+            s.put(eh, h, key, meta);
+        }
         self.count += 1;
         if meta & ORPHAN != 0 {
             self.orphans += 1;
+        }
+        deferred && s.len == limit(cap) + 1
+    }
+
+    /// Each shard past its load limit (deferred growths), rehashed as `grow` would: reads only.
+    pub fn grown_shards(&self) -> Vec<(usize, RShard)> {
+        let over = |s: &RShard| s.len > limit(s.eh.len());
+        self.shards.iter().enumerate().filter(|(_, s)| over(s)).map(|(i, s)| (i, s.grown(s.len + 1))).collect()
+    }
+
+    /// Put in shards `grown_shards` made from this table as it still is.
+    pub fn install_shards(&mut self, grown: Vec<(usize, RShard)>) {
+        for (i, s) in grown {
+            debug_assert_eq!(self.shards[i].len, s.len, "a shard changed after it was grown");
+            self.shards[i] = s;
         }
     }
 
@@ -518,12 +569,18 @@ impl SShard {
     }
 
     fn grow(&mut self, need: usize) {
-        let cap = next_cap(need, self.slot.len());
-        if cap == self.slot.len() {
-            return;
+        if next_cap(need, self.slot.len()) != self.slot.len() {
+            *self = self.grown(need);
         }
-        let old = std::mem::replace(self, SShard::new(cap));
-        self.len = old.len;
+    }
+
+    /// This shard rehashed into the capacity `need` entries ask for; reads `self` only, so a
+    /// writer can build it beside the scores reading the shard (`STable::prepare_growth`).
+    fn grown(&self, need: usize) -> SShard {
+        let cap = next_cap(need, self.slot.len());
+        let old = self;
+        let mut new = SShard::new(cap);
+        new.len = old.len;
         // Entries in order of their new homes can each take the slot after the
         // previous one (or their home, if later): no probe, no shift. The few
         // that run past the end go in last, by the general insert.
@@ -544,15 +601,16 @@ impl SShard {
             let x = old.slot[i as usize];
             let j = next.max(hn as usize);
             if j < cap {
-                self.slot[j] = x;
+                new.slot[j] = x;
                 next = j + 1;
             } else {
                 late.push(x);
             }
         }
         for x in late {
-            self.place(x);
+            new.place(x);
         }
+        new
     }
 
     /// Backward-shift delete: the displaced slots after `i` move back one
@@ -721,6 +779,13 @@ pub struct STable {
     dead: Dead,
     /// Per rm, the keys it stored in order (`ChainLog`).
     logs: Vec<ChainLog>,
+    /// While set (an apply quantum's inserts), a shard past its load limit is not grown by the
+    /// insert that fills it but listed in `deferred`, for the writer to grow beside the scores
+    /// between quanta (`Index::prepare_growth`): a growth inside a quantum held the write lock
+    /// for 100-200 us, mostly the page faults of the new slots, and every score waited it out.
+    pub defer: bool,
+    /// Shards whose growth is deferred (may repeat, or be grown since: `prepare_growth` checks).
+    deferred: Vec<u32>,
 }
 
 /// A key's mixed hash, shard and home slot: what `STable::probe` computes once
@@ -803,6 +868,8 @@ impl STable {
             promote: PROMOTE,
             dead: Dead::default(),
             logs: vec![],
+            defer: false,
+            deferred: vec![],
         }
     }
 
@@ -963,7 +1030,8 @@ impl STable {
         if self.logs[rm as usize].over() {
             self.recycle(rm);
         }
-        let s = &mut self.shards[s_shard(h)];
+        let at_shard = s_shard(h);
+        let s = &mut self.shards[at_shard];
         let dead = &self.dead;
         let tag = rm + 1;
         let mut slots = 1u32; // this key's slots once the new one is in (the walk sees them all)
@@ -985,11 +1053,17 @@ impl STable {
             return true;
         }
         let x = Slot { h, meta: (tag << CNT_BITS) | 1, pos: self.logs[rm as usize].push(h) };
-        if s.len + 1 > limit(s.slot.len()) {
+        let cap = s.slot.len();
+        if s.len < limit(cap) {
+            s.place_at(at, x);
+        } else if self.defer && s.len < hard_limit(cap) {
+            if s.len == limit(cap) {
+                self.deferred.push(at_shard as u32);
+            }
+            s.place_at(at, x);
+        } else {
             s.grow(s.len + 1);
             s.place(x);
-        } else {
-            s.place_at(at, x);
         }
         s.len += 1;
         self.count += 1;
@@ -1280,6 +1354,33 @@ impl STable {
     pub fn nbytes(&self) -> usize {
         self.shards.iter().map(|s| s.slot.len() * std::mem::size_of::<Slot>()).sum::<usize>()
             + self.logs.iter().map(|l| l.nbytes() + std::mem::size_of::<ChainLog>()).sum::<usize>()
+    }
+
+    /// Whether some shard's growth was deferred (`defer`).
+    pub fn growth_deferred(&self) -> bool {
+        !self.deferred.is_empty()
+    }
+
+    /// The deferred growths, each shard rehashed as its insert would have: reads only.
+    pub fn prepare_growth(&self) -> Vec<(u32, SShard)> {
+        let mut ids = self.deferred.clone();
+        ids.sort_unstable();
+        ids.dedup();
+        let over = |s: &SShard| s.len > limit(s.slot.len());
+        ids.into_iter()
+            .map(|i| (i, &self.shards[i as usize]))
+            .filter(|(_, s)| over(s))
+            .map(|(i, s)| (i, s.grown(s.len + 1)))
+            .collect()
+    }
+
+    /// Put in the shards `prepare_growth` made from this table as it still is.
+    pub fn install_growth(&mut self, grown: Vec<(u32, SShard)>) {
+        for (i, s) in grown {
+            debug_assert_eq!(self.shards[i as usize].len, s.len, "a shard changed after it was grown");
+            self.shards[i as usize] = s;
+        }
+        self.deferred.clear();
     }
 
     /// Size the shards for `total` entries up front.

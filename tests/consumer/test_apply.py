@@ -158,3 +158,56 @@ def test_the_core_and_the_oracle_behind_one_applier_agree():
         keys = prompt_keys(q, 16)
         assert core.score_keys_json(keys) == model.score_keys_json(keys) == core.score_json(q)
     assert core.workers() == model.workers()
+
+
+def test_growth_built_beside_the_scores_leaves_the_index_an_inline_growth_would():
+    """An apply call does not grow a table inside the quantum that fills it: it builds the
+    grown shards between quanta under the read lock and the next quantum puts them in, unless
+    another write came between (here an ``apply_batch`` and a removal between calls), which makes
+    them stale and refused. Whatever the interleaving, the index holds what the same records
+    applied one by one (every growth inline, the Python path) hold, and scores the same."""
+    from typing import NamedTuple
+
+    from kvwire.schemas.events import BlockRemoved
+
+    class Rec(NamedTuple):
+        offset: int
+        key: bytes | None
+        value: bytes
+        timestamp: int
+
+    # 48 workers x 24 records x 32 blocks: ~37k holder-blocks, ~9 a shard of S, so shards grow
+    # several times each, most of them past the sizes whose growth may be deferred.
+    workers = [WorkerId(f"w{i}") for i in range(48)]
+    values, prompts = [], []
+    for i, w in enumerate(workers):
+        toks = [i * 1_000_000 + t for t in range(24 * 32 * 16)]
+        prompts.append(toks[: 40 * 16])
+        for r in range(24):
+            ehs = [i << 20 | (r * 32 + b + 1) for b in range(32)]
+            ev = stored(ehs, toks[r * 512 : (r + 1) * 512], 16, ehs[0] - 1 if r else None)
+            values.append((w, codec.encode(EventBatch(w, 1, r, 0, (ev,), reset=r == 0))))
+    order = [values[r + 24 * i] for r in range(24) for i in range(48)]  # interleaved, as a fleet publishes
+    recs = [Rec(k, b"k", v, 0) for k, (_, v) in enumerate(order)]
+    other = WorkerId("other")
+    writes = [
+        EventBatch(other, 1, 0, 0, (stored([7, 8], range(32), 16),), reset=True),
+        EventBatch(other, 1, 1, 0, (BlockRemoved((8,)),)),
+    ]
+
+    sliced, inline = Applier(), Applier()
+    i, w = 0, 0
+    while i < len(recs):
+        i = sliced.apply_records("t", 0, recs, i, budget_us=150)
+        if w < len(writes) and i > len(recs) // (3 - w):
+            sliced.apply_batch(writes[w])
+            w += 1
+    for r in recs:
+        inline.apply_record("t", 0, r.offset, r.key, r.value, 0)
+        if r.offset in (len(recs) // 3, len(recs) // 2):
+            inline.apply_batch(writes[0 if r.offset == len(recs) // 3 else 1])
+    assert sliced.index.holder_blocks() == inline.index.holder_blocks()
+    assert len(sliced.index) == len(inline.index) == 48 * 24 * 32 + 1
+    assert sliced.index.digest() == inline.index.digest()
+    for q in prompts[::7] + [list(range(32))]:
+        assert sliced.score_json(q) == inline.score_json(q)

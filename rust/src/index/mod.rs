@@ -16,7 +16,8 @@
 //! touches only the file that does it: `registry` (ids), `write` (events and
 //! their undo log), `walk` (the score), `grouped` (hybrid models' groups),
 //! `inspect` (counts and read-backs), `import` (snapshots), `memo` (the keys
-//! of parents removed before their children are stored). The types the
+//! of parents removed before their children are stored), `growth` (tables
+//! grown beside the scores instead of inside an apply quantum). The types the
 //! rest of the crate names live here.
 
 use std::collections::{BTreeSet, HashMap};
@@ -25,6 +26,7 @@ use crate::keys::{Ctx, CtxCache};
 use crate::table::{Holders, RTable, STable};
 
 mod grouped;
+mod growth;
 mod import;
 mod inspect;
 mod memo;
@@ -34,6 +36,7 @@ mod test_util;
 mod walk;
 mod write;
 
+pub use growth::Growth;
 pub use memo::PARENT_MEMO;
 use write::Undo;
 
@@ -237,6 +240,12 @@ pub struct Index {
     /// Some wm's id is not its worker's id. While none is (one wm per worker, made in worker
     /// order: one medium, one group each), a score's answer reads a hit's wm at its worker id.
     wm_not_worker: bool,
+    /// Tables whose growth an apply quantum deferred (`growth.rs`).
+    r_deferred: Vec<Loc>,
+    /// Moved on by every write (each apply quantum once it has put its growths in, and every
+    /// `PyIndex::write`): growth built from the index at one stamp is put in only at the same
+    /// stamp (`Index::install_growth`).
+    pub writes: u64,
 }
 
 impl Index {

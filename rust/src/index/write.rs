@@ -193,7 +193,10 @@ impl Index {
                 over = true;
                 break;
             }
-            self.workers[l.0 as usize].ranks[l.1].tables[l.2].insert(eh, key, flags | 1);
+            let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
+            if t.insert_deferring(eh, key, flags | 1, self.s.defer) {
+                self.r_deferred.push(l);
+            }
             self.undo.push(Undo::Insert(l, eh));
         }
         self.scratch = keys;
