@@ -153,6 +153,24 @@ impl RShard {
         new
     }
 
+    /// Where `eh` is, or else the slot an insert would take (the first empty one from its
+    /// home, as `put_in` would find it).
+    #[inline]
+    fn find_or_vacant(&self, eh: u64, h: u64) -> Result<usize, usize> {
+        let cap = self.eh.len();
+        let mut j = home(h, cap);
+        while self.meta[j] != 0 {
+            if self.eh[j] == eh {
+                return Ok(j);
+            }
+            j += 1;
+            if j == cap {
+                j = 0;
+            }
+        }
+        Err(j)
+    }
+
     /// Insert an engine hash known to be absent (capacity checked here).
     #[inline]
     fn put(&mut self, eh: u64, h: u64, key: u64, meta: u16) {
@@ -212,6 +230,13 @@ pub const R_SHARDS: usize = 16;
 /// rank's table of 1.5M entries in 16 fixed shards stalled every score for ~2 ms at each
 /// growth. Splitting keeps shards within about twice this.
 const R_SPLIT_LEN: usize = 4096;
+
+/// Where an absent engine hash would go (`RTable::find_for_store`).
+#[derive(Clone, Copy)]
+pub struct Vacant {
+    shard: u32,
+    slot: u32,
+}
 
 /// One rank x medium x group: engine hash -> (key, meta), plus its counters.
 ///
@@ -278,6 +303,46 @@ impl RTable {
         let at = self.r_shard(h);
         let s = &mut self.shards[at];
         s.find(eh, h).map(move |j| &mut s.meta[j])
+    }
+
+    /// A store's dup check and insert in one probe: the meta of `eh` if held, else where an
+    /// insert would put it (for `insert_vacant`, with no other write to this table between).
+    #[inline]
+    pub fn find_for_store(&mut self, eh: u64) -> Result<&mut u16, Vacant> {
+        let h = mix(eh);
+        let at = self.r_shard(h);
+        let s = &mut self.shards[at];
+        match s.find_or_vacant(eh, h) {
+            Ok(j) => Ok(&mut s.meta[j]),
+            Err(j) => Err(Vacant { shard: at as u32, slot: j as u32 }),
+        }
+    }
+
+    /// `insert_deferring` into the slot `find_for_store` found, where no split or growth moves
+    /// the slots first (else the insert probes again).
+    #[inline]
+    pub fn insert_vacant(&mut self, v: Vacant, eh: u64, key: u64, meta: u16, defer: bool) -> bool {
+        if self.count as usize >= self.shards.len() * R_SPLIT_LEN {
+            return self.insert_deferring(eh, key, meta, defer);
+        }
+        let s = &mut self.shards[v.shard as usize];
+        let cap = s.eh.len();
+        let over = s.len + 1 > limit(cap);
+        let deferred = defer && over && s.len < hard_limit(cap);
+        if over && !deferred {
+            return self.insert_deferring(eh, key, meta, defer);
+        }
+        let j = v.slot as usize;
+        debug_assert!(s.meta[j] == 0, "a vacant slot taken since it was found");
+        s.eh[j] = eh;
+        s.key[j] = key;
+        s.meta[j] = meta;
+        s.len += 1;
+        self.count += 1;
+        if meta & ORPHAN != 0 {
+            self.orphans += 1;
+        }
+        deferred && s.len == limit(cap) + 1
     }
 
     #[inline(always)]
@@ -1482,23 +1547,43 @@ mod tests {
 
     /// An R table against a map through splits, growth, deletes and a reset: every entry found
     /// with its key and meta, none that was removed, and no shard past the split size (bar
-    /// its growth margin).
+    /// its growth margin). Half the inserts take a store's path (`find_for_store`, then
+    /// `insert_vacant`), in the second round with growth deferred and installed later.
     #[test]
     fn r_table_splits_and_matches_a_map() {
         let mut t = RTable::new(0, 0, 0);
         let mut model: Map<u64, (u64, u16)> = Map::new();
         let mut r = rng(11);
         for round in 0..2 {
+            let defer = round == 1;
+            let mut deferred = 0;
             for step in 0..200_000u64 {
                 let eh = r() % 400_000;
                 if step % 3 == 2 {
                     assert_eq!(t.remove(eh), model.remove(&eh), "remove {eh}");
+                } else if step % 3 == 1 {
+                    match t.find_for_store(eh) {
+                        Ok(m) => assert_eq!(Some(*m), model.get(&eh).map(|v| v.1), "held {eh}"),
+                        Err(v) => {
+                            assert!(!model.contains_key(&eh), "{eh} held but not found");
+                            let (key, meta) = (r(), 1 + (step % 1000) as u16);
+                            if t.insert_vacant(v, eh, key, meta, defer) {
+                                deferred += 1;
+                            }
+                            model.insert(eh, (key, meta));
+                        }
+                    }
                 } else if let std::collections::hash_map::Entry::Vacant(v) = model.entry(eh) {
                     let (key, meta) = (r(), 1 + (step % 1000) as u16);
-                    t.insert(eh, key, meta);
+                    t.insert_deferring(eh, key, meta, defer);
                     v.insert((key, meta));
                 }
+                if defer && step % 5_000 == 0 {
+                    let g = t.grown_shards();
+                    t.install_shards(g);
+                }
             }
+            assert_eq!(deferred > 0, defer, "round {round}: {deferred} growths deferred");
             assert_eq!(t.count as usize, model.len());
             assert!(t.shards.len() > 16, "round {round}: no split ({} shards)", t.shards.len());
             for s in &t.shards {

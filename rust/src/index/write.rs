@@ -181,24 +181,27 @@ impl Index {
         for (i, &eh) in ehs.iter().enumerate() {
             let key = keys[i];
             let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
-            if let Some(m) = t.meta_mut(eh) {
-                // vLLM can hold one hash in several physical blocks: count
-                // it, keep the first key (a removal needs only the count).
-                if *m & REF_MASK == REF_MASK {
-                    over = true;
-                    break;
+            let vacant = match t.find_for_store(eh) {
+                Ok(m) => {
+                    // vLLM can hold one hash in several physical blocks: count
+                    // it, keep the first key (a removal needs only the count).
+                    if *m & REF_MASK == REF_MASK {
+                        over = true;
+                        break;
+                    }
+                    *m += 1;
+                    t.dups += 1;
+                    self.undo.push(Undo::Inc(l, eh));
+                    continue;
                 }
-                *m += 1;
-                t.dups += 1;
-                self.undo.push(Undo::Inc(l, eh));
-                continue;
-            }
+                Err(v) => v,
+            };
             if !self.s.inc(key, rm, &mut self.hd) {
                 over = true;
                 break;
             }
             let t = &mut self.workers[l.0 as usize].ranks[l.1].tables[l.2];
-            if t.insert_deferring(eh, key, flags | 1, self.s.defer) {
+            if t.insert_vacant(vacant, eh, key, flags | 1, self.s.defer) {
                 self.r_deferred.push(l);
             }
             self.undo.push(Undo::Insert(l, eh));
