@@ -12,7 +12,9 @@ removals of an old one, 16 blocks per record (one engine step).
 
 Loads step up; after each level the conductor waits for the member to drain before the next.
 A level is saturated when the member applied < 95% of what was offered during it; the run
-stops at the first saturated level.
+stops at the first saturated level. The first level at >= 500k blocks/s offered (the issue's
+target load) runs ``TARGET_ROUNDS`` times in a row, and ``lag_p99_ms`` is the median of those
+rounds' p99.
 
     python -m bench.lag [--quick] [--rates R ...] [--seconds S] [--hosts N ...] [--compression C]
 
@@ -25,6 +27,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
 import uuid
@@ -49,6 +52,11 @@ HOSTS = (1, 2)
 SATURATED = 0.95
 # Issue 25's lag target holds at this offered load and above.
 TARGET_BLOCKS_PER_S = 500_000
+# Runs of the first level at the target load. One 6 s level's p99 is its 1%-slowest records,
+# and on this shared 2-CPU machine one stall of the VM (or of the broker beside the publisher
+# and the member) moves it by tens of ms: in one sweep the 512k level read 32 ms where the
+# previous sweep's read 7.7, with levels below it at 14 and 149 ms. The figure is the median.
+TARGET_ROUNDS = 5
 
 
 # ------------------------------------------------------------------ publisher process
@@ -293,6 +301,7 @@ def _level_stats(lvl: dict, at: np.ndarray, lag: np.ndarray, append_ms: np.ndarr
         "publish_to_broker_append_ms": _pcts(to_broker),
         "broker_append_to_applied_ms": _pcts(from_broker),
         "drained_s": lvl.get("drained_s"),
+        "round": lvl.get("round"),
         # Process CPU (every thread) per record published in the level: the fleet's publishers
         # (pacer loop, publish(), the sender's encode and aiokafka), the member (fetch, decode,
         # fence, apply; its drain included) and the local broker.
@@ -388,7 +397,12 @@ def run(
         deadline = time.monotonic() + 60
         while applied.value < total and time.monotonic() < deadline:
             time.sleep(0.05)
-        for rate in rates:
+        target_rate = next((r for r in rates if r * BLOCKS_PER_RECORD >= TARGET_BLOCKS_PER_S), None)
+        plan = [(r, None) for r in rates]
+        at = 0
+        while at < len(plan):
+            rate, round_ = plan[at]
+            at += 1
             a_start, cpu_start, broker_start = applied.value, member_cpu.value, _broker_cpu_s()
             for h in range(hosts):
                 cmds[h].put((rate / hosts, seconds))
@@ -411,8 +425,15 @@ def run(
                 f"applied/offered during the window {kept_up:.3f}  drained after {lvl['drained_s']} s",
                 flush=True,
             )
-            if kept_up < SATURATED - 0.02:  # saturated: higher loads only measure a growing backlog
-                break
+            lvl["round"] = round_
+            if round_ is None and kept_up < SATURATED - 0.02:
+                break  # saturated: higher loads only measure a growing backlog
+            if rate == target_rate and round_ is None:
+                # The target level again, straight after its first run: the summary's figure is
+                # the median of these rounds' p99 (see TARGET_ROUNDS), each round kept whatever
+                # it measured.
+                lvl["round"] = 1
+                plan[at:at] = [(rate, k) for k in range(2, TARGET_ROUNDS + 1)]
     finally:
         for q in cmds:
             q.put(None)
@@ -426,23 +447,30 @@ def run(
     d = np.load(out)
     at, lag = d["at"], d["lag"]
     rows = [_level_stats(lvl, at, lag, d["append_ms"]) for lvl in levels]
+    # The sweep's own levels (a target level's first round among them); its further rounds are
+    # read for the median only.
+    sweep = [r for r in rows if r["round"] in (None, 1)]
     sat = next(
-        (r for r in rows if r["applied_over_offered"] is not None and r["applied_over_offered"] < SATURATED), None
+        (r for r in sweep if r["applied_over_offered"] is not None and r["applied_over_offered"] < SATURATED), None
     )
     ok = [
         r
-        for r in rows
+        for r in sweep
         if r is not sat and r["applied_over_offered"] is not None and r["applied_over_offered"] >= SATURATED
     ]
     top = max(ok, key=lambda r: r["offered_records_per_s"]) if ok else None
-    # The issue's target is a p99 at >= 500k blocks/s offered: the first unsaturated level there
-    # is the one the summary reports; below that load, the highest unsaturated one.
+    # The issue's target is a p99 at >= 500k blocks/s offered: the first target rate whose level
+    # stayed unsaturated is the one the summary reports, as the median of its rounds' p99 (below
+    # that load, the highest unsaturated level's own).
     at_target = min(
         (r for r in ok if r["offered_blocks_per_s"] >= TARGET_BLOCKS_PER_S),
         key=lambda r: r["offered_records_per_s"],
         default=None,
     )
     reported = at_target or top
+    rounds = [r for r in rows if at_target and r["target_records_per_s"] == at_target["target_records_per_s"]]
+    p99 = statistics.median(r["lag_ms"]["p99"] for r in rounds) if rounds else (top["lag_ms"]["p99"] if top else None)
+    p50 = statistics.median(r["lag_ms"]["p50"] for r in rounds) if rounds else (top["lag_ms"]["p50"] if top else None)
     return {
         "what": "record timestamp (publish() call) -> applied in the index member, milliseconds",
         "params": {
@@ -464,8 +492,12 @@ def run(
         else None,
         "top_offered_blocks_per_s": max((r["offered_blocks_per_s"] for r in rows), default=None),
         "lag_reported_at_offered_blocks_per_s": reported["offered_blocks_per_s"] if reported else None,
-        "lag_p50_ms": reported["lag_ms"]["p50"] if reported else None,
-        "lag_p99_ms": reported["lag_ms"]["p99"] if reported else None,
+        "lag_p50_ms": p50,
+        "lag_p99_ms": p99,
+        "lag_rounds_at_reported": [
+            {"offered_blocks_per_s": r["offered_blocks_per_s"], "p50": r["lag_ms"]["p50"], "p99": r["lag_ms"]["p99"]}
+            for r in rounds
+        ],
         "holder_blocks_at_end": int(d["holder_blocks"]),
     }
 

@@ -37,7 +37,7 @@ def _save(fig, d: Path, name: str) -> Path:
 
 def plot_lag(d: Path, r: dict):
     plt = _plt()
-    rows = [x for x in r["levels"] if x["lag_ms"]["p50"] is not None]
+    rows = [x for x in r["levels"] if x["lag_ms"]["p50"] is not None and (x.get("round") or 1) == 1]
     x = [x["offered_blocks_per_s"] for x in rows]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for p, st in (("p50", "o-"), ("p99", "s-"), ("p99.9", "^--")):

@@ -246,7 +246,12 @@ def results_table(res: Results) -> str:
         (
             "Event-to-index lag p99 (publish() to applied)",
             f"{fmt(g('lag_p99_ms'), ' ms')} at {fmt(lg.get('lag_reported_at_offered_blocks_per_s'))} blocks/s "
-            f"offered; {fmt(_get(lg, 'max_unsaturated', 'lag_ms', 'p99'), ' ms')} at "
+            + (
+                f"offered (median of {len(lg['lag_rounds_at_reported'])} rounds)"
+                if len(lg.get("lag_rounds_at_reported") or []) > 1
+                else "offered"
+            )
+            + f"; {fmt(_get(lg, 'max_unsaturated', 'lag_ms', 'p99'), ' ms')} at "
             f"{fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))}; "
             + (
                 f"saturates at {fmt(lg['saturated_at_offered_blocks_per_s'])}"

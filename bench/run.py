@@ -288,9 +288,16 @@ def summarize(res: dict, errors: dict) -> dict:
         mu = lg["max_unsaturated"]
         at = lg.get("lag_reported_at_offered_blocks_per_s") or mu["offered_blocks_per_s"]
         sat = lg.get("saturated_at_offered_blocks_per_s")
+        rounds = lg.get("lag_rounds_at_reported") or []
         notes["lag_p99_ms"] = (
             f"publish() -> applied, at {at:,} blocks/s offered (the first unsaturated level at >= 500k, "
-            f"else the highest unsaturated); p99 {mu['lag_ms']['p99']} ms at the highest unsaturated level "
+            f"else the highest unsaturated)"
+            + (
+                f", the median of {len(rounds)} rounds' p99 there: " + ", ".join(f"{r['p99']}" for r in rounds) + " ms"
+                if len(rounds) > 1
+                else ""
+            )
+            + f"; p99 {mu['lag_ms']['p99']} ms at the highest unsaturated level "
             f"({mu['offered_blocks_per_s']:,} blocks/s); "
             + (f"saturated at {sat:,} blocks/s offered" if sat else "no level saturated")
             + f"; {lg['params']['publisher_hosts']} publisher process"
