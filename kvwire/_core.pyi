@@ -28,6 +28,10 @@ def encode_record(header: bytes, record: dict[str, Any], /) -> bytes | None:
     """header + the record's body in schema version ENCODE_VERSION, from the dict
     codec.batch_to_record builds; None when the fast path declines its values."""
 
+def encode_batch(header: bytes, batch: Any, /) -> bytes | None:
+    """encode_record's bytes straight from an EventBatch; None when it declines the batch
+    (hashes other than U64 ints, token ids not an array('I'), extra keys)."""
+
 def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
     """Decode to Rust records and drop them: (records decoded, their blocks, indices declined)."""
 

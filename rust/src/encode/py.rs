@@ -3,10 +3,11 @@
 //! anything whose fastavro encoding is not the plain one it writes: then `codec.encode` asks
 //! fastavro, which writes it or raises the codec's error.
 
+use pyo3::buffer::PyBuffer;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple, PyType};
 use typed_arena::Arena;
 
 use super::{encode_into, VERSION};
@@ -30,8 +31,44 @@ pub fn encode_record<'py>(py: Python<'py>, header: &[u8], record: &Bound<'py, Py
     Some(PyBytes::new(py, &out))
 }
 
+/// `kvwire.schemas.events`' three event types and `array.array`, by identity.
+static STORED_T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static REMOVED_T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static CLEARED_T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static ARRAY_T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `encode_record` straight from an `EventBatch`, without the dict `codec.batch_to_record`
+/// builds (that dict, the hashes' packing and the worker's fields cost the sender thread more
+/// than the encoding itself, on the engine's GIL). It takes only values whose dict and bytes are
+/// plain: int hashes that `codec.pack_hashes` packs as U64 (its first case: every hash, and the
+/// parent, an `int` in [0, 2^64)), token ids in an `array.array` of `I`, no extra keys; anything
+/// else is declined (`None`), and `codec.encode` goes the dict's way, whose rules are the
+/// codec's alone.
+#[pyfunction]
+pub fn encode_batch<'py>(py: Python<'py>, header: &[u8], batch: &Bound<'py, PyAny>) -> Option<Bound<'py, PyBytes>> {
+    if cfg!(target_endian = "big") {
+        return None; // token ids are written little-endian, as `codec.pack_tokens` swaps them
+    }
+    let branches = BRANCHES.import(py, "kvwire.schemas.codec", "EVENT_BRANCHES").ok()?.cast::<PyTuple>().ok()?;
+    let ev = "kvwire.schemas.events";
+    let types = [
+        STORED_T.import(py, ev, "BlockStored").ok()?,
+        REMOVED_T.import(py, ev, "BlockRemoved").ok()?,
+        CLEARED_T.import(py, ev, "AllBlocksCleared").ok()?,
+        ARRAY_T.import(py, "array", "array").ok()?,
+    ];
+    let (arena, bufs) = (Arena::new(), Arena::new());
+    let o = Objects { v: Values { arena: &arena, branches }, bufs: &bufs, types };
+    let r = o.record(batch)?;
+    let mut out = Vec::with_capacity(header.len() + 256);
+    out.extend_from_slice(header);
+    encode_into(&r, &mut out);
+    Some(PyBytes::new(py, &out))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_record, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_batch, m)?)?;
     m.add("ENCODE_VERSION", VERSION)
 }
 
@@ -213,5 +250,143 @@ impl<'a, 'py> Values<'a, 'py> {
         } else {
             Some(Scalar::Bytes(self.bytes(s)?))
         }
+    }
+}
+
+/// Reads an `EventBatch`'s attributes as `Values` reads the dict's items; the bytes it packs
+/// (hashes, token ids) live in `bufs` until the record is written.
+struct Objects<'a, 'py> {
+    v: Values<'a, 'py>,
+    bufs: &'a Arena<Vec<u8>>,
+    /// BlockStored, BlockRemoved, AllBlocksCleared, array.array.
+    types: [&'py Bound<'py, PyType>; 4],
+}
+
+impl<'a, 'py> Objects<'a, 'py> {
+    fn attr(&self, o: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> Option<&'a Bound<'py, PyAny>> {
+        o.getattr(name).ok().map(|v| self.v.keep(v))
+    }
+
+    fn opt_str(&self, o: &Bound<'py, PyAny>, name: &Bound<'py, PyString>) -> Option<Option<&'a str>> {
+        self.v.opt(self.attr(o, name)?, |v| self.v.str(v))
+    }
+
+    fn opt_int<T: for<'b> FromPyObject<'b, 'py>>(
+        &self,
+        o: &Bound<'py, PyAny>,
+        name: &Bound<'py, PyString>,
+    ) -> Option<Option<T>> {
+        self.v.opt(self.attr(o, name)?, |v| self.v.int(v))
+    }
+
+    fn record(&self, b: &Bound<'py, PyAny>) -> Option<Record<'a>> {
+        let py = b.py();
+        let w = self.attr(b, intern!(py, "worker"))?;
+        let worker = Worker {
+            instance_id: self.v.str(self.attr(w, intern!(py, "instance_id"))?)?,
+            model: self.v.str(self.attr(w, intern!(py, "model"))?)?,
+            dp_rank: self.v.int(self.attr(w, intern!(py, "dp_rank"))?)?,
+            tp_rank: self.v.int(self.attr(w, intern!(py, "tp_rank"))?)?,
+            tp_size: self.v.int(self.attr(w, intern!(py, "tp_size"))?)?,
+        };
+        let events = self.attr(b, intern!(py, "events"))?.cast_exact::<PyTuple>().ok()?;
+        Some(Record {
+            writer_version: VERSION,
+            worker,
+            epoch: self.v.int(self.attr(b, intern!(py, "epoch"))?)?,
+            seq: self.v.int(self.attr(b, intern!(py, "seq"))?)?,
+            ts_us: self.v.int(self.attr(b, intern!(py, "ts_us"))?)?,
+            engine_ts: self
+                .v
+                .opt(self.attr(b, intern!(py, "engine_ts"))?, |t| Some(t.cast_exact::<PyFloat>().ok()?.value()))?,
+            reset: self.attr(b, intern!(py, "reset"))?.cast_exact::<PyBool>().ok()?.is_true(),
+            gap: self.v.int(self.attr(b, intern!(py, "gap"))?)?,
+            source: self.v.str(self.attr(b, intern!(py, "source"))?)?,
+            events: events.iter().map(|e| self.event(self.v.keep(e))).collect::<Option<_>>()?,
+        })
+    }
+
+    fn event(&self, e: &'a Bound<'py, PyAny>) -> Option<Event<'a>> {
+        let t = e.get_type();
+        if t.is(self.types[0]) {
+            Some(Event::Stored(self.stored(e)?))
+        } else if t.is(self.types[1]) {
+            Some(Event::Removed(self.removed(e)?))
+        } else if t.is(self.types[2]) {
+            Some(Event::Cleared)
+        } else {
+            None
+        }
+    }
+
+    /// An exact `int` in [0, 2^64), little-endian.
+    fn u64_bytes(&self, h: &Bound<'py, PyAny>, out: &mut Vec<u8>) -> Option<()> {
+        out.extend_from_slice(&self.v.int::<u64>(h)?.to_le_bytes());
+        Some(())
+    }
+
+    /// `codec.pack_hashes`' first case only: every hash (and the parent, if any) a U64.
+    fn u64_hashes(&self, o: &Bound<'py, PyAny>) -> Option<Hashes<'a>> {
+        let t = self.attr(o, intern!(o.py(), "block_hashes"))?.cast_exact::<PyTuple>().ok()?;
+        let mut packed = Vec::with_capacity(t.len() * 8);
+        for h in t.iter() {
+            self.u64_bytes(&h, &mut packed)?;
+        }
+        Some(Hashes { kind: HashKind::U64, width: 8, packed: self.bufs.alloc(packed) })
+    }
+
+    /// `codec.pack_tokens` of an `array.array('I')`: its bytes, little-endian.
+    fn tokens(&self, a: &Bound<'py, PyAny>) -> Option<&'a [u8]> {
+        if !a.get_type().is(self.types[3]) {
+            return None;
+        }
+        if a.len().ok()? == 0 {
+            return Some(&[]); // an empty array's buffer may have no address, which PyBuffer refuses
+        }
+        let buf = PyBuffer::<u32>::get(a).ok()?;
+        let ids = buf.to_vec(a.py()).ok()?;
+        Some(self.bufs.alloc(ids.iter().flat_map(|t| t.to_le_bytes()).collect()))
+    }
+
+    fn stored(&self, e: &Bound<'py, PyAny>) -> Option<Stored<'a>> {
+        let py = e.py();
+        if !self.attr(e, intern!(py, "extra_keys"))?.is_none() {
+            return None; // the dict's way (`codec._extra_out`)
+        }
+        let parent = self.attr(e, intern!(py, "parent_block_hash"))?;
+        let parent_block_hash = if parent.is_none() {
+            None
+        } else {
+            let mut p = Vec::with_capacity(8);
+            self.u64_bytes(parent, &mut p)?;
+            Some(&self.bufs.alloc(p)[..])
+        };
+        Some(Stored {
+            block_hashes: self.u64_hashes(e)?,
+            parent_block_hash,
+            token_ids: self.tokens(self.attr(e, intern!(py, "token_ids"))?)?,
+            block_size: self.v.int(self.attr(e, intern!(py, "block_size"))?)?,
+            lora_id: self.opt_int(e, intern!(py, "lora_id"))?,
+            medium: self.opt_str(e, intern!(py, "medium"))?,
+            lora_name: self.opt_str(e, intern!(py, "lora_name"))?,
+            extra_keys: None,
+            group_idx: self.opt_int(e, intern!(py, "group_idx"))?,
+            kv_cache_spec_kind: self.opt_str(e, intern!(py, "kv_cache_spec_kind"))?,
+            kv_cache_spec_sliding_window: self.opt_int(e, intern!(py, "kv_cache_spec_sliding_window"))?,
+            locality: self.opt_str(e, intern!(py, "locality"))?,
+            ownership: self.opt_str(e, intern!(py, "ownership"))?,
+            session_id: self.opt_str(e, intern!(py, "session_id"))?,
+        })
+    }
+
+    fn removed(&self, e: &Bound<'py, PyAny>) -> Option<Removed<'a>> {
+        let py = e.py();
+        Some(Removed {
+            block_hashes: self.u64_hashes(e)?,
+            medium: self.opt_str(e, intern!(py, "medium"))?,
+            group_idx: self.opt_int(e, intern!(py, "group_idx"))?,
+            locality: self.opt_str(e, intern!(py, "locality"))?,
+            ownership: self.opt_str(e, intern!(py, "ownership"))?,
+        })
     }
 }
