@@ -79,6 +79,14 @@ async def test_own_group_member_equals_ground_truth(kafka_bootstrap, new_topic):
         assert_matches_simulator(member.applier.score, member.applier.index.workers(), sim)
         ws = member.applier.workers()
         assert all(w["trusted"] and w["tp_size"] == 2 and len(w["ranks"]) == 2 for w in ws)
+        # The gauges, set at most every GAUGE_INTERVAL_S while busy, settle once polls are idle.
+        m = member.applier.metrics
+        for _ in range(50):
+            if m.index_holder_blocks._value.get() == len(member.applier.index):
+                break
+            await asyncio.sleep(0.1)
+        assert m.index_holder_blocks._value.get() == len(member.applier.index) > 0
+        assert m.workers.labels("true")._value.get() == len(ws)
     finally:
         await member.stop()
 

@@ -8,7 +8,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from kvwire.consumer.apply import Applier
 from kvwire.consumer.http import make_app
-from kvwire.consumer.ingest import IngestConfig, default_group_id
+from kvwire.consumer.ingest import GAUGE_INTERVAL_S, IngestConfig, default_group_id, gauges_due
 from kvwire.kafka.topics import Replication
 from kvwire.schemas.events import EventBatch, WorkerId, stored
 
@@ -23,6 +23,13 @@ def test_default_group_id_is_stable_and_one_per_router():
     # Embedded members without a group keep a fresh one each (two in one process stay apart).
     cfg = IngestConfig("b:9092", "t")
     assert cfg.resolved_group() != IngestConfig("b:9092", "t").resolved_group()
+
+
+def test_gauges_are_set_on_idle_polls_and_at_most_every_interval_while_busy():
+    assert gauges_due(10.0, None, polled_records=True)  # the first poll
+    assert not gauges_due(10.0 + GAUGE_INTERVAL_S / 2, 10.0, polled_records=True)
+    assert gauges_due(10.0 + GAUGE_INTERVAL_S / 2, 10.0, polled_records=False)  # idle: at once
+    assert gauges_due(10.0 + GAUGE_INTERVAL_S, 10.0, polled_records=True)
 
 
 def _metric(text: str, name: str) -> float | None:
