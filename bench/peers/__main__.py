@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..common import percentiles, write_result
+from ..common import cpu_model, percentiles, write_result
 from . import SUMMARY_KEYS, dump
 
 HERE = Path(__file__).resolve().parent
@@ -163,6 +163,7 @@ def run(holder_blocks: int, rounds: int, n_queries: int, workdir: Path) -> dict:
             "rounds": rounds,
             "dynamo_kv_router": DYNAMO,
             "cpus": os.cpu_count(),
+            "cpu": cpu_model(),
         },
         "method": (
             "one process per index per round, order alternating; on-CPU clock of the applying / "
