@@ -494,6 +494,13 @@ def run(
         "lag_reported_at_offered_blocks_per_s": reported["offered_blocks_per_s"] if reported else None,
         "lag_p50_ms": p50,
         "lag_p99_ms": p99,
+        # Records a publisher dropped (its hand-off full, each loss carried as a gap): they have no
+        # lag sample, so a level that dropped any reads better than it was.
+        "dropped_at": [
+            {"offered_blocks_per_s": r["offered_blocks_per_s"], "round": r["round"], "dropped": r["dropped"]}
+            for r in rows
+            if r["dropped"]
+        ],
         "lag_rounds_at_reported": [
             {"offered_blocks_per_s": r["offered_blocks_per_s"], "p50": r["lag_ms"]["p50"], "p99": r["lag_ms"]["p99"]}
             for r in rounds

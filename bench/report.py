@@ -258,6 +258,10 @@ def results_table(res: Results) -> str:
                 if lg.get("saturated_at_offered_blocks_per_s")
                 else f"no saturation up to {fmt(lg.get('top_offered_blocks_per_s'))}"
             )
+            + "".join(
+                f"; {fmt(d['dropped'])} records dropped at {fmt(d['offered_blocks_per_s'])} (reported as gaps)"
+                for d in lg.get("dropped_at") or []
+            )
             + f" ({_get(lg, 'params', 'publisher_hosts')} publisher process, the broker and the member on 2 CPUs)"
             + "".join(
                 f"; {h} publisher processes: {fmt(f.get('lag_p99_ms'), ' ms')} at "

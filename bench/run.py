@@ -300,6 +300,11 @@ def summarize(res: dict, errors: dict) -> dict:
             + f"; p99 {mu['lag_ms']['p99']} ms at the highest unsaturated level "
             f"({mu['offered_blocks_per_s']:,} blocks/s); "
             + (f"saturated at {sat:,} blocks/s offered" if sat else "no level saturated")
+            + "".join(
+                f"; {d['dropped']:,} records dropped (a publisher's hand-off full, each reported as a gap) "
+                f"at {d['offered_blocks_per_s']:,} blocks/s" + (f", round {d['round']}" if d["round"] else "")
+                for d in lg.get("dropped_at") or []
+            )
             + f"; {lg['params']['publisher_hosts']} publisher process"
             + "".join(
                 f"; with {h} publisher processes: p99 {f.get('lag_p99_ms')} ms at "
