@@ -122,18 +122,7 @@ impl RShard {
 
     #[inline]
     fn find(&self, eh: u64, h: u64) -> Option<usize> {
-        let cap = self.eh.len();
-        let mut j = home(h, cap);
-        while self.meta[j] != 0 {
-            if self.eh[j] == eh {
-                return Some(j);
-            }
-            j += 1;
-            if j == cap {
-                j = 0;
-            }
-        }
-        None
+        self.find_or_vacant(eh, h).ok()
     }
 
     fn grow(&mut self, need: usize) {
