@@ -32,6 +32,10 @@ def encode_batch(header: bytes, batch: Any, /) -> bytes | None:
     """encode_record's bytes straight from an EventBatch; None when it declines the batch
     (hashes other than U64 ints, token ids not an array('I'), extra keys)."""
 
+def pack_u64(hashes: Any, parent: Any = None, /) -> tuple[bytes, bytes | None] | None:
+    """codec.pack_hashes' U64 case: every hash an int (or __index__) in [0, 2^64), the parent None
+    or an int there -> (packed, packed parent); None otherwise."""
+
 def decode_many(values: list[bytes], /) -> tuple[int, int, list[int]]:
     """Decode to Rust records and drop them: (records decoded, their blocks, indices declined)."""
 

@@ -246,14 +246,11 @@ SCHEMA_IDS = SchemaIds()
 def pack_hashes(hashes: tuple[BlockHash, ...], parent: BlockHash | None = None) -> tuple[str, int, bytes, bytes | None]:
     """-> (kind, width, packed, packed_parent). Lossless for all three forms."""
     n = len(hashes)
-    try:  # the common vLLM case: non-negative ints below 2^64
-        packed = struct.pack(f"<{n}Q", *hashes)
-        if parent is None:
-            return "U64", 8, packed, None
-        if type(parent) is int and 0 <= parent <= _U64_MAX:
-            return "U64", 8, packed, struct.pack("<Q", parent)
-    except (struct.error, TypeError):
-        pass
+    # The common vLLM case, non-negative ints below 2^64, is the core's (the encoder's fast path
+    # packs them the same way): U64 whenever it takes them.
+    u64 = _core.pack_u64(hashes, parent)
+    if u64 is not None:
+        return "U64", 8, u64[0], u64[1]
     values = hashes if parent is None else (*hashes, parent)
     ints = [h for h in values if type(h) is int]
     if len(ints) == len(values):

@@ -13,6 +13,7 @@ import math
 from array import array
 
 import fastavro
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -211,6 +212,17 @@ def test_what_producers_publish_is_never_declined(batch, header):
     assert fast == fastavro_bytes(header, codec.batch_to_record(batch))
 
 
+@pytest.mark.parametrize("hashes", [[True, 2], [np.uint64(2**64 - 1), 3], []])
+def test_hashes_the_codec_packs_as_u64_are_packed_by_the_one_core_rule_both_ways(hashes):
+    """``codec.pack_hashes``' U64 case is ``_core.pack_u64``: what it takes (anything ``struct``'s Q
+    took, e.g. a bool or a NumPy integer) the batch path takes too, with the dict's bytes."""
+    batch = EventBatch(WorkerId("w"), 1, 0, 0, (stored(hashes, range(4 * len(hashes)), 4),))
+    assert codec.pack_hashes(tuple(hashes))[0] == "U64"
+    fast = _core.encode_batch(FAST.header, batch)
+    assert fast is not None
+    assert fast == fastavro_bytes(FAST.header, codec.batch_to_record(batch))
+
+
 class _Subclassed(BlockStored):
     pass
 
@@ -221,7 +233,6 @@ class _Subclassed(BlockStored):
         stored([1, -1], range(8), 4),  # I64 hashes
         stored([1], range(4), 4, parent_block_hash=-2),  # an I64 parent
         stored([b"x" * 32], range(4), 4),  # digests
-        stored([True], range(4), 4),  # a bool, which struct packs as 1
         stored([1], range(4), 4, extra_keys=[("a", 1)]),
         BlockRemoved((2**64,)),
         _Subclassed((1,), None, array("I", range(4)), 4),

@@ -40,10 +40,9 @@ static ARRAY_T: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// `encode_record` straight from an `EventBatch`, without the dict `codec.batch_to_record`
 /// builds (that dict, the hashes' packing and the worker's fields cost the sender thread more
 /// than the encoding itself, on the engine's GIL). It takes only values whose dict and bytes are
-/// plain: int hashes that `codec.pack_hashes` packs as U64 (its first case: every hash, and the
-/// parent, an `int` in [0, 2^64)), token ids in an `array.array` of `I`, no extra keys; anything
-/// else is declined (`None`), and `codec.encode` goes the dict's way, whose rules are the
-/// codec's alone.
+/// plain: hashes `u64_packed` takes (the U64 case of `codec.pack_hashes`, which calls it too),
+/// token ids in an `array.array` of `I`, no extra keys; anything else is declined (`None`), and
+/// `codec.encode` goes the dict's way.
 #[pyfunction]
 pub fn encode_batch<'py>(py: Python<'py>, header: &[u8], batch: &Bound<'py, PyAny>) -> Option<Bound<'py, PyBytes>> {
     if cfg!(target_endian = "big") {
@@ -66,9 +65,42 @@ pub fn encode_batch<'py>(py: Python<'py>, header: &[u8], batch: &Bound<'py, PyAn
     Some(PyBytes::new(py, &out))
 }
 
+/// `codec.pack_hashes`' first case, its only home: every hash (an `int`, or anything with
+/// `__index__`, as `struct`'s `Q` takes them) in [0, 2^64) and the parent `None` or an `int`
+/// there: the hashes and the parent as little-endian U64s. `None` otherwise: the codec's other
+/// kinds (I64, digests) and its errors decide.
+fn u64_packed(hashes: &Bound<'_, PyAny>, parent: &Bound<'_, PyAny>) -> Option<(Vec<u8>, Option<[u8; 8]>)> {
+    let parent = if parent.is_none() {
+        None
+    } else if parent.is_exact_instance_of::<PyInt>() {
+        Some(parent.extract::<u64>().ok()?.to_le_bytes())
+    } else {
+        return None;
+    };
+    let mut packed = Vec::with_capacity(hashes.len().unwrap_or(0) * 8);
+    for h in hashes.try_iter().ok()? {
+        packed.extend_from_slice(&h.ok()?.extract::<u64>().ok()?.to_le_bytes());
+    }
+    Some((packed, parent))
+}
+
+/// `u64_packed` for `codec.pack_hashes`: `(packed, packed_parent)` or `None`.
+#[pyfunction]
+#[pyo3(signature = (hashes, parent=None))]
+pub fn pack_u64<'py>(
+    py: Python<'py>,
+    hashes: &Bound<'py, PyAny>,
+    parent: Option<&Bound<'py, PyAny>>,
+) -> Option<(Bound<'py, PyBytes>, Option<Bound<'py, PyBytes>>)> {
+    let none = py.None().into_bound(py);
+    let (packed, parent) = u64_packed(hashes, parent.unwrap_or(&none))?;
+    Some((PyBytes::new(py, &packed), parent.map(|p| PyBytes::new(py, &p))))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(encode_record, m)?)?;
     m.add_function(wrap_pyfunction!(encode_batch, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_u64, m)?)?;
     m.add("ENCODE_VERSION", VERSION)
 }
 
@@ -319,20 +351,11 @@ impl<'a, 'py> Objects<'a, 'py> {
         }
     }
 
-    /// An exact `int` in [0, 2^64), little-endian.
-    fn u64_bytes(&self, h: &Bound<'py, PyAny>, out: &mut Vec<u8>) -> Option<()> {
-        out.extend_from_slice(&self.v.int::<u64>(h)?.to_le_bytes());
-        Some(())
-    }
-
-    /// `codec.pack_hashes`' first case only: every hash (and the parent, if any) a U64.
-    fn u64_hashes(&self, o: &Bound<'py, PyAny>) -> Option<Hashes<'a>> {
-        let t = self.attr(o, intern!(o.py(), "block_hashes"))?.cast_exact::<PyTuple>().ok()?;
-        let mut packed = Vec::with_capacity(t.len() * 8);
-        for h in t.iter() {
-            self.u64_bytes(&h, &mut packed)?;
-        }
-        Some(Hashes { kind: HashKind::U64, width: 8, packed: self.bufs.alloc(packed) })
+    /// A store's or removal's hashes (and a store's parent) when `u64_packed` takes them.
+    fn u64_hashes(&self, o: &Bound<'py, PyAny>, parent: &Bound<'py, PyAny>) -> Option<(Hashes<'a>, Option<&'a [u8]>)> {
+        let (packed, parent) = u64_packed(self.attr(o, intern!(o.py(), "block_hashes"))?, parent)?;
+        let parent = parent.map(|p| &self.bufs.alloc(p.to_vec())[..]);
+        Some((Hashes { kind: HashKind::U64, width: 8, packed: self.bufs.alloc(packed) }, parent))
     }
 
     /// `codec.pack_tokens` of an `array.array('I')`: its bytes, little-endian.
@@ -353,16 +376,9 @@ impl<'a, 'py> Objects<'a, 'py> {
         if !self.attr(e, intern!(py, "extra_keys"))?.is_none() {
             return None; // the dict's way (`codec._extra_out`)
         }
-        let parent = self.attr(e, intern!(py, "parent_block_hash"))?;
-        let parent_block_hash = if parent.is_none() {
-            None
-        } else {
-            let mut p = Vec::with_capacity(8);
-            self.u64_bytes(parent, &mut p)?;
-            Some(&self.bufs.alloc(p)[..])
-        };
+        let (block_hashes, parent_block_hash) = self.u64_hashes(e, self.attr(e, intern!(py, "parent_block_hash"))?)?;
         Some(Stored {
-            block_hashes: self.u64_hashes(e)?,
+            block_hashes,
             parent_block_hash,
             token_ids: self.tokens(self.attr(e, intern!(py, "token_ids"))?)?,
             block_size: self.v.int(self.attr(e, intern!(py, "block_size"))?)?,
@@ -382,7 +398,7 @@ impl<'a, 'py> Objects<'a, 'py> {
     fn removed(&self, e: &Bound<'py, PyAny>) -> Option<Removed<'a>> {
         let py = e.py();
         Some(Removed {
-            block_hashes: self.u64_hashes(e)?,
+            block_hashes: self.u64_hashes(e, &py.None().into_bound(py))?.0,
             medium: self.opt_str(e, intern!(py, "medium"))?,
             group_idx: self.opt_int(e, intern!(py, "group_idx"))?,
             locality: self.opt_str(e, intern!(py, "locality"))?,
