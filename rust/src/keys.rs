@@ -97,9 +97,15 @@ impl Ctx<'_> {
 /// Blocks whose keys `chain_batch` computes in one call.
 pub const CHAIN_BATCH: usize = 8;
 
+/// How many blocks ahead of its chain step `chain_batch` computes a block's content hash.
+const CONTENT_AHEAD: usize = 3;
+
 /// Keys of blocks `from..to` (at most `CHAIN_BATCH` of them) of `bs` tokens (little-endian
-/// bytes), chained from `parent`, into `out[..to - from]`. The content hashes come first: they
-/// do not depend on the parent, so the CPU overlaps them; only the chain steps are serial.
+/// bytes), chained from `parent`, into `out[..to - from]`. Content hashes do not depend on the
+/// parent; only the chain steps are serial. Each step is issued beside the content hash of a
+/// block `CONTENT_AHEAD` further on, so the CPU fills a step's latency with independent work.
+/// Blocks of 16 tokens (vLLM's default) get a copy compiled for their length, which lets the
+/// hash drop its length dispatch.
 #[inline]
 pub fn chain_batch(
     token_le: &[u8],
@@ -110,14 +116,36 @@ pub fn chain_batch(
     ctx: Ctx<'_>,
     out: &mut [u64; CHAIN_BATCH],
 ) {
-    let w = bs * 4;
-    for (b, c) in (from..to).zip(out.iter_mut()) {
-        *c = xxh3(&token_le[b * w..(b + 1) * w], ctx.at(b));
+    match bs {
+        16 => chain_batch_w::<64>(token_le, 64, from, to, parent, ctx, out),
+        _ => chain_batch_w::<0>(token_le, bs * 4, from, to, parent, ctx, out),
+    }
+}
+
+/// `chain_batch` for blocks of `w` bytes, `W` when it is not 0.
+#[inline(always)]
+fn chain_batch_w<const W: usize>(
+    token_le: &[u8],
+    w: usize,
+    from: usize,
+    to: usize,
+    parent: u64,
+    ctx: Ctx<'_>,
+    out: &mut [u64; CHAIN_BATCH],
+) {
+    let w = if W == 0 { w } else { W };
+    let content = |b: usize| xxh3(&token_le[b * w..(b + 1) * w], ctx.at(b));
+    let n = to - from;
+    for (j, c) in out.iter_mut().enumerate().take(n.min(CONTENT_AHEAD)) {
+        *c = content(from + j);
     }
     let mut key = parent;
-    for c in out.iter_mut().take(to - from) {
-        key = chain_step(key, *c);
-        *c = key;
+    for j in 0..n {
+        if j + CONTENT_AHEAD < n {
+            out[j + CONTENT_AHEAD] = content(from + j + CONTENT_AHEAD);
+        }
+        key = chain_step(key, out[j]);
+        out[j] = key;
     }
 }
 
@@ -303,6 +331,29 @@ mod tests {
         let mut tail = vec![];
         chain(&toks[128..], 16, 2, all[1], Ctx::One(context_seed(None)), &mut tail);
         assert_eq!(&all[2..], &tail[..]);
+    }
+
+    #[test]
+    fn batched_chain_is_the_block_by_block_chain() {
+        // Every batch shape (shorter than the content look-ahead, partial, whole), both
+        // compiled widths (16 tokens and any other), one context and one per block.
+        let toks: Vec<u32> = (0..40 * 16).map(|t: u32| t.wrapping_mul(2_654_435_761) ^ 0x5bd1).collect();
+        let le: Vec<u8> = toks.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let per: Vec<u64> = (0..40u64).map(|i| 1337 + i * 7).collect();
+        for bs in [4usize, 16, 32] {
+            for n in 0..=(le.len() / (4 * bs)).min(21) {
+                for ctx in [Ctx::One(1337), Ctx::PerBlock(&per)] {
+                    let (mut want, mut key) = (vec![], ROOT);
+                    for b in 0..n {
+                        key = block_key(&toks[b * bs..(b + 1) * bs], key, ctx.at(b));
+                        want.push(key);
+                    }
+                    let mut got = vec![];
+                    chain(&le, bs, n, ROOT, ctx, &mut got);
+                    assert_eq!(got, want, "bs {bs}, {n} blocks");
+                }
+            }
+        }
     }
 
     #[test]
