@@ -133,16 +133,20 @@ fn chain_batch_w<const W: usize>(
     ctx: Ctx<'_>,
     out: &mut [u64; CHAIN_BATCH],
 ) {
+    // A function, not a closure: the closure was left a call per block (perf).
+    #[inline(always)]
+    fn content(token_le: &[u8], w: usize, b: usize, ctx: Ctx<'_>) -> u64 {
+        xxh3(&token_le[b * w..(b + 1) * w], ctx.at(b))
+    }
     let w = if W == 0 { w } else { W };
-    let content = |b: usize| xxh3(&token_le[b * w..(b + 1) * w], ctx.at(b));
     let n = to - from;
     for (j, c) in out.iter_mut().enumerate().take(n.min(CONTENT_AHEAD)) {
-        *c = content(from + j);
+        *c = content(token_le, w, from + j, ctx);
     }
     let mut key = parent;
     for j in 0..n {
         if j + CONTENT_AHEAD < n {
-            out[j + CONTENT_AHEAD] = content(from + j + CONTENT_AHEAD);
+            out[j + CONTENT_AHEAD] = content(token_le, w, from + j + CONTENT_AHEAD, ctx);
         }
         key = chain_step(key, out[j]);
         out[j] = key;
