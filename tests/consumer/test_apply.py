@@ -211,3 +211,35 @@ def test_growth_built_beside_the_scores_leaves_the_index_an_inline_growth_would(
     assert sliced.index.digest() == inline.index.digest()
     for q in prompts[::7] + [list(range(32))]:
         assert sliced.score_json(q) == inline.score_json(q)
+
+
+def test_score_json_escapes_worker_ids_and_media_as_the_oracle_does():
+    """The core writes a worker id or a medium name as it is when nothing in it needs escaping,
+    and escapes it otherwise: either way byte for byte the JSON the oracle's encoder writes."""
+    import json
+    from typing import NamedTuple
+
+    from tests.oracle import Oracle
+
+    class Rec(NamedTuple):
+        offset: int
+        key: bytes | None
+        value: bytes
+        timestamp: int
+
+    names = ["plain-1", 'quo"te', "back\\slash", "new\nline\ttab", "ctl\x01\x1f", "utf-8 é 世界"]
+    values = []
+    for i, name in enumerate(names):
+        w = WorkerId(name, dp_rank=-i)
+        medium = names[(i + 1) % len(names)]
+        ev = stored([i + 1, i + 101], range(32), 16, medium=medium)
+        values.append(codec.encode(EventBatch(w, 1, 0, 0, (ev,), reset=True)))
+    recs = [Rec(k, b"k", v, 0) for k, v in enumerate(values)]
+    core, model = Applier(), Applier(index=Oracle())
+    for a in (core, model):
+        assert a.apply_records("t", 0, recs, budget_us=1 << 40) == len(recs)
+    got = core.score_json(list(range(32)))
+    assert got == model.score_json(list(range(32)))
+    entries = json.loads(got)
+    assert sorted(e["instance_id"] for e in entries) == sorted(names)
+    assert {e["dp_rank"] for e in entries} == {-i for i in range(len(names))}
