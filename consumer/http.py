@@ -126,6 +126,10 @@ MAX_HASHES = DEFAULT_MAX_TOKENS  # a hash stands for at least one token
 DEFAULT_MAX_BODY = 8 * 1024 * 1024
 
 
+# A request body: aiohttp's bytes, or the score lane's view of the bytes it read.
+Body = bytes | memoryview
+
+
 class BadRequest(ValueError):
     """A request outside the contract: answered with ``status`` and the message."""
 
@@ -166,7 +170,7 @@ def query_request(query: Any) -> ScoreRequest:
 _NO_QUERY = ScoreRequest()  # shared: callers replace fields (msgspec.structs.replace), never set them
 
 
-def binary_request(body: bytes, query: Any, max_tokens: int) -> ScoreRequest:
+def binary_request(body: Body, query: Any, max_tokens: int) -> ScoreRequest:
     """The octet-stream form: the body is the token ids as little-endian uint32, read in
     place; the other fields come from the query string (``query_request``)."""
     req = query_request(query)
@@ -358,7 +362,7 @@ def make_app(
     timers: dict[tuple[Any, str], Callable[[float], None]] = {}
     doc: dict[str, bytes] = {}
 
-    def checked(body: bytes, decode: Callable[[bytes], Any]) -> tuple[Any, Any]:
+    def checked(body: Body, decode: Callable[[Body], Any]) -> tuple[Any, Any]:
         """A request body -> (request, its tenant keys); BadRequest for what is answered 4xx:
         413 over the token limit, 400 for anything outside the schema (checked first)."""
         try:
@@ -372,7 +376,7 @@ def make_app(
             raise BadRequest(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
         return req, extra
 
-    async def parse(request: web.Request, decode: Callable[[bytes], Any]) -> tuple[Any, Any] | web.Response:
+    async def parse(request: web.Request, decode: Callable[[Body], Any]) -> tuple[Any, Any] | web.Response:
         """A request body -> (request, its tenant keys), or the 4xx answer (``checked``; 413
         over the body limit)."""
         try:
@@ -384,19 +388,19 @@ def make_app(
         except BadRequest as e:
             return _error(e.status, str(e))
 
-    def score_decoder(content_type: str, query: Any) -> Callable[[bytes], Any]:
+    def score_decoder(content_type: str, query: Any) -> Callable[[Body], Any]:
         if content_type == BINARY:
             return lambda body: binary_request(body, query, max_tokens)
 
-        def decode(body: bytes) -> Any:
+        def decode(body: Body) -> Any:
             if query:
                 query_request(query)
             return _decoder.decode(body)
 
         return decode
 
-    def route_body(request: web.Request) -> Callable[[bytes], Any]:
-        def decode(body: bytes) -> Any:
+    def route_body(request: web.Request) -> Callable[[Body], Any]:
+        def decode(body: Body) -> Any:
             if request.query:
                 raise BadRequest(400, "invalid request: /v1/route takes no query parameters")
             return _route_decoder.decode(body)
@@ -405,7 +409,7 @@ def make_app(
 
     async def answer(
         request: web.Request,
-        decode: Callable[[bytes], Any],
+        decode: Callable[[Body], Any],
         run: Callable[[Any, Any], Awaitable[web.Response]],
         latency: Any,
     ) -> web.Response:
@@ -472,7 +476,7 @@ def make_app(
             content_type="application/json",
         )
 
-    def lane(body: bytes, content_type: bytes, authorization: bytes | None, query: Any) -> bytes | None:
+    def lane(body: Body, content_type: bytes, authorization: bytes | None, query: Any) -> bytes | None:
         """``score`` on the score lane (``kvwire.consumer.score_lane``): the same decode,
         checks and answer; None hands the request to aiohttp, which answers what it refuses
         and scatters what this member does not answer alone."""

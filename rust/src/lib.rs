@@ -35,6 +35,8 @@ pub mod keys;
 pub mod pipeline;
 pub mod py_index;
 pub mod py_keys;
+// The score lane's request head (consumer/score_lane.py): read here, its one home.
+pub mod score_head;
 pub mod table;
 
 #[pymodule]
@@ -46,5 +48,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     pipeline::register(m)?;
     decode::py::register(m)?;
     encode::py::register(m)?;
+    score_head::register(m)?;
     Ok(())
 }
