@@ -492,6 +492,10 @@ def main(argv=None) -> int:
     if RESULTS.resolve() == report.RESULTS.resolve():  # a temp results folder never touches the READMEs
         for p in report.write(figures):
             print(f"updated {p.relative_to(report.ROOT)}", file=sys.stderr)
+        # docs/scale.md is computed from these results too: rewritten with them, never left stale.
+        from . import scale
+
+        print(f"updated {scale.write(RESULTS).relative_to(report.ROOT)}", file=sys.stderr)
     print(json.dumps({k: v for k, v in summary.items() if k != "notes"}, indent=2))
     print("wrote", path)
     return 1 if errors else 0
