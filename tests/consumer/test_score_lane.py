@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from scoring_workload import fed, oracle_json, queries, records
 
 from kvwire.consumer import score_lane
+from kvwire.consumer.holds import Holds
 from kvwire.consumer.http import bound_port, make_app, serve
 from kvwire.consumer.http_security import HttpSecurity
 
@@ -82,8 +83,10 @@ async def exchange(
 class Pair:
     """The same app twice over one index: on the lane (``serve``) and on plain aiohttp."""
 
-    def __init__(self, applier, security: HttpSecurity | None = None, peers: list[str] | None = None) -> None:
-        self.applier, self.security, self.peers = applier, security, peers
+    def __init__(
+        self, applier, security: HttpSecurity | None = None, peers: list[str] | None = None, holds=None
+    ) -> None:
+        self.applier, self.security, self.peers, self.holds = applier, security, peers, holds
 
     async def __aenter__(self) -> Pair:
         def app() -> web.Application:
@@ -94,6 +97,7 @@ class Pair:
                 max_body_bytes=MAX_BODY,
                 security=self.security,
                 peers=self.peers,
+                holds=self.holds,
             )
 
         self.lane_runner = await serve(app(), "127.0.0.1", 0)
@@ -195,6 +199,24 @@ async def test_with_peers_the_lane_answers_local_parts_and_aiohttp_scatters(popu
             assert await p.on_lane(raw) is on_lane
         [(_, _, scattered)] = await exchange(p.lane, whole)
         assert json.loads(scattered)["failed_peers"] == [down]
+
+
+async def test_a_live_hold_counts_in_the_lanes_answers(populated):
+    """A route's hold credits its worker in scores until the worker's own events confirm it:
+    the lane's answers to binary requests (with or without a query) count it as aiohttp's do."""
+    async with Pair(populated[0], holds=Holds()) as p:
+        plain = request(le(TOKENS), BIN)
+        queried = request(le(TOKENS), BIN, line="POST /v1/score?top_k=8 HTTP/1.1")
+        [(_, _, before)] = await exchange(p.lane, plain)
+        routed = request(json.dumps({"token_ids": TOKENS}).encode(), JSON, line="POST /v1/route HTTP/1.1")
+        [(status, _, picked)] = await exchange(p.lane, routed)
+        assert status == 200, picked
+        for raw in (plain, queried):
+            lane, aio = await p.both(raw)
+            assert lane == aio and lane[0][0] == 200
+            assert await p.on_lane(raw)
+        [(_, _, after)] = await exchange(p.lane, plain)
+        assert after != before  # the hold counted
 
 
 async def test_lane_answers_equal_the_oracle(populated):
