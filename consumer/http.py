@@ -66,6 +66,8 @@ import numpy as np
 import uvloop
 from aiohttp import web
 
+from kvwire import _core
+
 from .api import (
     BINARY,
     MAX_ERROR_CHARS,
@@ -117,7 +119,7 @@ from .http_security import HttpSecurity
 from .keys import sequence_keys
 from .metrics import LatencyHistogram
 from .openapi import document
-from .score_lane import SCORE_LANE, Lane, LaneRunner
+from .score_lane import SCORE_LANE, Lane, LaneRunner, Plain
 from .tenants import TenantError, check_extra_keys, tenant_extra_keys
 
 log = logging.getLogger(__name__)
@@ -169,7 +171,6 @@ def query_request(query: Any) -> ScoreRequest:
 
 
 _NO_QUERY = ScoreRequest()  # shared: callers replace fields (msgspec.structs.replace), never set them
-_BINARY = BINARY.encode()
 
 
 def binary_request(body: Body, query: Any, max_tokens: int) -> ScoreRequest:
@@ -182,10 +183,9 @@ def binary_request(body: Body, query: Any, max_tokens: int) -> ScoreRequest:
 def binary_tokens(body: Body, max_tokens: int) -> np.ndarray:
     """The binary body's token ids, read in place; BadRequest when it is not whole uint32
     words (400) or holds more than ``max_tokens`` (413)."""
-    if len(body) % 4:
-        raise BadRequest(400, f"invalid request: binary body of {len(body)} bytes is not whole uint32 token ids")
-    if len(body) // 4 > max_tokens:
-        raise BadRequest(413, f"{len(body) // 4} tokens; at most {max_tokens}")
+    refused = _core.binary_body_refusal(len(body), max_tokens)  # the rule's home: rust/src/score_lane.rs
+    if refused is not None:
+        raise BadRequest(*refused)
     # The core reads the buffer's bytes as little-endian words, so the body goes as it came.
     return np.frombuffer(body, np.uint32)
 
@@ -203,6 +203,8 @@ def _top_k(req: ScoreRequest) -> int:
 
 
 _PLAIN_K = _top_k(_NO_QUERY)  # a request without a query string asks for this many workers
+# /v1/score's answer (``ScoreAnswer``) around the core's JSON list of scores.
+SCORES_OPEN, SCORES_CLOSE = b'{"scores":', b"}"
 
 
 _decoder = msgspec.json.Decoder(ScoreRequest)
@@ -449,7 +451,9 @@ def make_app(
         k = _top_k(req)
         if req.block_hashes is not None:
             if req.local or not peers:
-                return b'{"scores":' + applier.score_keys_json(v1_keys(req.block_hashes), req.block_size, k) + b"}"
+                return (
+                    SCORES_OPEN + applier.score_keys_json(v1_keys(req.block_hashes), req.block_size, k) + SCORES_CLOSE
+                )
             return None
         if req.local:
             # A peer's part of a scatter: index state only, the asking member adds its holds.
@@ -460,7 +464,7 @@ def make_app(
             )
         else:
             return None
-        return b'{"scores":' + local + b"}"
+        return SCORES_OPEN + local + SCORES_CLOSE
 
     async def _score(req: ScoreRequest, extra: list[Any] | None) -> web.Response:
         alone = local_scores(req, extra)
@@ -488,8 +492,6 @@ def make_app(
         and scatters what this member does not answer alone."""
         if security is not None and not security.authorized(authorization):
             return None
-        if not query and not peers and content_type == _BINARY and not held.live():
-            return plain(body)
         ctype = content_type.decode()
         if peers and ctype != BINARY:
             return None  # a JSON body is decoded once, by aiohttp, which will likely scatter it
@@ -502,21 +504,6 @@ def make_app(
         if alone is not None:
             observe(applier.metrics.score_latency, req, time.perf_counter() - t0)
         return alone
-
-    def plain(body: Body) -> bytes | None:
-        """``lane``'s answer to most of a router's traffic: the binary form without a query
-        string (every field at its default: no LoRA, salt or extra keys, every block size,
-        ``limit`` workers) on a member without peers or live holds. The same steps as the
-        general path, each the same function, minus the layers that default fields make no-ops:
-        those cost ~1 µs each here, ~25 µs of a ~135 µs request in all (``bench.http_score``)."""
-        try:
-            tokens = binary_tokens(body, max_tokens)
-        except BadRequest:
-            return None
-        t0 = time.perf_counter()
-        out = applier.score_json(tokens, None, None, _PLAIN_K, None)
-        score_latency.observe("local", time.perf_counter() - t0)
-        return b'{"scores":' + out + b"}"
 
     def _sizes(block_size: int | None) -> list[int]:
         return block_sizes(applier.index.block_sizes(), block_size)
@@ -697,7 +684,21 @@ def make_app(
         else:
             app.router.add_route(op.method, op.path, handlers[op.name])
     app.on_cleanup.append(close_session)
-    app[SCORE_LANE] = Lane(lane, max_body_bytes)
+    plain = None
+    if not peers and (security is None or security.authorized(None)):
+        # The plain request (binary, no query string) is every field at its default: the core
+        # answers it whole while no hold counts (``_core.score_plain``).
+        plain = Plain(
+            applier.index.core,
+            applier.ranks.core,
+            max_tokens,
+            _PLAIN_K,
+            SCORES_OPEN,
+            SCORES_CLOSE,
+            lambda: not held.live(),
+            lambda seconds: score_latency.observe("local", seconds),
+        )
+    app[SCORE_LANE] = Lane(lane, max_body_bytes, plain)
     return app
 
 

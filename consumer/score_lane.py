@@ -14,9 +14,15 @@ as it answers any request, and keeps the connection. So the lane only ever answe
 no rule of HTTP or of the API lives here that aiohttp does not apply first-hand to everything
 the lane passes on.
 
+The plain request, a binary body with no query string (a router's usual request), is
+answered whole by the core (``_core.score_plain``, ``rust/src/score_lane.rs``) when the app
+says its answer needs only the index and the fence (``Plain``: no bearer token, no peers, no
+live hold); the core declines anything else, which then takes the path above.
+
 Why: at 8k tokens a score is ~15 µs in the core, and aiohttp's request and response objects,
 middleware chain and writer cost the member ~60 µs of Python per request on top
-(``bench.http_score``; docs/DESIGN.md, "What an HTTP score costs the member").
+(``bench.http_score``; docs/DESIGN.md, "What an HTTP score costs the member"); the lane's
+own Python layers cost ~25 µs more than the core's one call.
 """
 
 from __future__ import annotations
@@ -42,12 +48,32 @@ LaneAnswer = Callable[[memoryview, bytes, "bytes | None", "MultiDictProxy[str]"]
 
 
 @dataclass(frozen=True)
+class Plain:
+    """What the core needs to answer the plain request whole (``_core.score_plain``: a
+    binary body, no query string): the app's index and fence cores, its token limit and
+    default top_k, the JSON body's opening and closing around the scores list, whether it
+    may answer now (``ready``: false while a hold counts, which the core does not see) and
+    the app's latency metric."""
+
+    index: Any
+    fence: Any
+    max_tokens: int
+    top_k: int
+    body_open: bytes
+    body_close: bytes
+    ready: Callable[[], bool]
+    observe: Callable[[float], None]
+
+
+@dataclass(frozen=True)
 class Lane:
     """What an app answers on the lane (``make_app``'s), and its body limit (the app's
-    ``client_max_size``)."""
+    ``client_max_size``). ``plain``: set where the plain request needs nothing but the
+    index and the fence (no bearer token, no peers)."""
 
     answer: LaneAnswer
     max_body: int
+    plain: Plain | None = None
 
 
 SCORE_LANE = web.AppKey("score_lane", Lane)
@@ -67,8 +93,13 @@ def _query(query: bytes | None) -> MultiDictProxy[str]:
 _NO_QUERY: MultiDictProxy[str] = MultiDictProxy(MultiDict())
 
 
-class _Date:
-    """The Date header, formatted once a second."""
+# A 200 answer's head up to its Content-Length value; ``_head_rest`` is the rest.
+_HEAD_OPEN = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+
+
+class _HeadRest:
+    """A 200 answer's head after its Content-Length value (the Date in it formatted once a
+    second)."""
 
     def __init__(self) -> None:
         self.second = -1
@@ -77,11 +108,12 @@ class _Date:
     def __call__(self) -> bytes:
         now = int(time.time())
         if now != self.second:
-            self.second, self.value = now, formatdate(now, usegmt=True).encode()
+            date = formatdate(now, usegmt=True).encode()
+            self.second, self.value = now, b"\r\nDate: %s\r\nServer: %s\r\n\r\n" % (date, _SERVER)
         return self.value
 
 
-_date = _Date()
+_head_rest = _HeadRest()
 
 
 class ScoreLane(asyncio.Protocol):
@@ -93,6 +125,7 @@ class ScoreLane(asyncio.Protocol):
 
     def __init__(self, server: web.Server, lane: Lane, lanes: set[ScoreLane]) -> None:
         self.server, self.answer, self.max_body, self.lanes = server, lane.answer, lane.max_body, lanes
+        self.plain = lane.plain
         self.transport: asyncio.Transport | None = None
         self.pending: list[bytes] = []  # the start of a request not yet whole (or not yet served)
         self.have = 0  # bytes in pending
@@ -155,6 +188,21 @@ class ScoreLane(asyncio.Protocol):
                 else:
                     self._keep(data[pos:], n - pos + 1)
                 return
+            plain = self.plain
+            if plain is not None and plain.ready():
+                t0 = time.perf_counter()
+                try:
+                    frame = (_HEAD_OPEN, _head_rest(), plain.body_open, plain.body_close)
+                    got = _core.score_plain(
+                        plain.index, plain.fence, data, pos, end, self.max_body, plain.max_tokens, plain.top_k, frame
+                    )
+                except Exception:  # the general path answers it, or aiohttp does
+                    got = None
+                if got is not None:
+                    self.transport.write(got[0])
+                    plain.observe(time.perf_counter() - t0)
+                    pos = got[1]
+                    continue
             parsed = _core.score_head(data, pos, end, self.max_body)
             if parsed is None:
                 self._hand_over(data[pos:])
@@ -172,13 +220,7 @@ class ScoreLane(asyncio.Protocol):
             if body is None:
                 self._hand_over(data[pos:])
                 return
-            self.transport.writelines(
-                (
-                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-                    b"Date: %s\r\nServer: %s\r\n\r\n" % (len(body), _date(), _SERVER),
-                    body,
-                )
-            )
+            self.transport.writelines((_HEAD_OPEN, b"%d" % len(body), _head_rest(), body))
             pos = stop
 
     def _hand_over(self, data: bytes) -> None:

@@ -223,6 +223,22 @@ def score_head(
     data: bytes, start: int, end: int, max_body: int, /
 ) -> tuple[int, bytes, bytes | None, bytes | None] | None: ...
 
+# ---------------------------------------------------------------- the lane's plain request (rust/src/score_lane.rs)
+
+def binary_body_refusal(length: int, max_tokens: int, /) -> tuple[int, str] | None: ...
+def score_plain(
+    index: Index,
+    fence: Fence,
+    data: bytes,
+    start: int,
+    end: int,
+    max_body: int,
+    max_tokens: int,
+    top_k: int,
+    frame: tuple[bytes, bytes, bytes, bytes],
+    /,
+) -> tuple[bytes, int] | None: ...
+
 # ---------------------------------------------------------------- fence and pipeline (rust/src/pipeline.rs)
 
 # Enums defined in the core (pyo3's simple enums: == compares, a new object per value).

@@ -37,6 +37,8 @@ pub mod py_index;
 pub mod py_keys;
 // The score lane's request head (consumer/score_lane.py): read here, its one home.
 pub mod score_head;
+// The lane's plain request answered whole, and the binary body's rule.
+pub mod score_lane;
 pub mod table;
 
 #[pymodule]
@@ -49,5 +51,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     decode::py::register(m)?;
     encode::py::register(m)?;
     score_head::register(m)?;
+    score_lane::register(m)?;
     Ok(())
 }

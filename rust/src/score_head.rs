@@ -20,8 +20,10 @@ use pyo3::types::PyBytes;
 
 const METHOD_TARGET: &[u8] = b"POST /v1/score";
 const VERSION: &[u8] = b" HTTP/1.1";
+/// The binary form's content type: token ids as little-endian uint32 (`score_lane.rs`).
+pub const BINARY: &[u8] = b"application/octet-stream";
 /// The content types the lane answers, as it hands them on (lower case).
-const CONTENT_TYPES: [&[u8]; 2] = [b"application/octet-stream", b"application/json"];
+const CONTENT_TYPES: [&[u8]; 2] = [BINARY, b"application/json"];
 const REFUSED: [&[u8]; 3] = [b"transfer-encoding", b"expect", b"upgrade"];
 
 /// What the lane needs of a head it answers.

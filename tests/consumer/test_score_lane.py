@@ -201,6 +201,44 @@ async def test_with_peers_the_lane_answers_local_parts_and_aiohttp_scatters(popu
         assert json.loads(scattered)["failed_peers"] == [down]
 
 
+async def test_the_core_answers_plain_requests_whole_and_the_lane_the_rest(populated, monkeypatch):
+    """Binary bodies without a query string are answered by ``_core.score_plain``; every other
+    hot request, one with a body the binary rule refuses, and one not yet all read, by the
+    general path. Either way the answer is aiohttp's, byte for byte."""
+    answered: list[bytes] = []
+    real = score_lane._core.score_plain
+
+    def spy(*args):
+        got = real(*args)
+        if got is not None:
+            answered.append(args[2][args[3] : got[1]])
+        return got
+
+    monkeypatch.setattr(score_lane._core, "score_plain", spy)
+    plain = [
+        request(le(TOKENS), BIN),
+        request(le(TOKENS), BIN, line="POST /v1/score? HTTP/1.1"),
+        request(le(TOKENS), "content-type:application/octet-stream", "Authorization: Bearer ignored"),
+        request(b"", BIN),
+    ]
+    general = [
+        request(le(TOKENS), BIN, line="POST /v1/score?top_k=2 HTTP/1.1"),
+        request(json.dumps({"token_ids": TOKENS}).encode(), JSON),
+        request(b"\x01\x00\x00", BIN),
+        request(le(range(MAX_TOKENS + 1)), BIN),
+    ]
+    async with Pair(populated[0]) as p:
+        for raw in plain + general:
+            answered.clear()
+            lane, aio = await p.both(raw)
+            assert lane == aio, raw[:120]
+            assert answered == ([raw] if raw in plain else []), raw[:120]
+        # Sent in two pieces: the core declines the first read, answers once the body is whole.
+        answered.clear()
+        [(status, _, _)] = await exchange(p.lane, plain[0], pieces=len(plain[0]) - 7)
+        assert status == 200 and answered == [plain[0]]
+
+
 async def test_a_live_hold_counts_in_the_lanes_answers(populated):
     """A route's hold credits its worker in scores until the worker's own events confirm it:
     the lane's answers to binary requests (with or without a query) count it as aiohttp's do."""
