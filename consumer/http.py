@@ -686,8 +686,8 @@ def make_app(
     app.on_cleanup.append(close_session)
     plain = None
     if not peers and (security is None or security.authorized(None)):
-        # The plain request (binary, no query string) is every field at its default: the core
-        # answers it whole while no hold counts (``_core.score_plain``).
+        # The plain request (token ids alone, no query string) is every other field at its
+        # default: the core answers it whole while no hold counts (``_core.score_plain``).
         plain = Plain(
             applier.index.core,
             applier.ranks.core,

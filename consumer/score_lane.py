@@ -14,8 +14,8 @@ as it answers any request, and keeps the connection. So the lane only ever answe
 no rule of HTTP or of the API lives here that aiohttp does not apply first-hand to everything
 the lane passes on.
 
-The plain request, a binary body with no query string (a router's usual request), is
-answered whole by the core (``_core.score_plain``, ``rust/src/score_lane.rs``) when the app
+The plain request, token ids alone with no query string (a binary body, or a JSON body of
+``token_ids`` and nothing else: a router's usual request), is answered whole by the core (``_core.score_plain``, ``rust/src/score_lane.rs``) when the app
 says its answer needs only the index and the fence (``Plain``: no bearer token, no peers, no
 live hold); the core declines anything else, which then takes the path above.
 
@@ -49,8 +49,8 @@ LaneAnswer = Callable[[memoryview, bytes, "bytes | None", "MultiDictProxy[str]"]
 
 @dataclass(frozen=True)
 class Plain:
-    """What the core needs to answer the plain request whole (``_core.score_plain``: a
-    binary body, no query string): the app's index and fence cores, its token limit and
+    """What the core needs to answer the plain request whole (``_core.score_plain``: token
+    ids alone, no query string): the app's index and fence cores, its token limit and
     default top_k, the JSON body's opening and closing around the scores list, whether it
     may answer now (``ready``: false while a hold counts, which the core does not see) and
     the app's latency metric."""

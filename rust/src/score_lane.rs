@@ -1,12 +1,14 @@
 //! The score lane's plain request (`consumer/score_lane.py`), answered whole in one call: a
-//! router's usual request, a binary body of token ids with no query string, on a member whose
-//! answer needs nothing but the index and the fence (no bearer token, no peers, no live holds:
-//! the Python side decides that, and otherwise never calls this).
+//! router's usual request, token ids alone (a binary body, or a JSON body with `token_ids` and
+//! nothing else) and no query string, on a member whose answer needs nothing but the index and
+//! the fence (no bearer token, no peers, no live holds: the Python side decides that, and
+//! otherwise never calls this).
 //!
 //! Why: the same answer through Python (the head's fields handed out, the body checked, the
 //! query built, the JSON framed, the response head formatted) cost ~25 µs of a ~120 µs request
 //! on the member's HTTP thread at 10M holder-blocks (`bench.http_score`); here it is the head,
-//! the score and two copies.
+//! the score and two copies. A JSON body of 8k token ids took msgspec ~470 µs here (and its
+//! list another ~80 µs to pack); `json_tokens` reads that one shape.
 //!
 //! This is also the one home of the binary body's rule (`binary_body_refusal`), which the
 //! Python request decoder calls for every other binary request.
@@ -35,6 +37,64 @@ fn binary_body_refusal(length: u64, max_tokens: u64) -> Option<(u16, String)> {
     refusal(length, max_tokens)
 }
 
+/// JSON's whitespace.
+fn skip_ws(b: &[u8], mut at: usize) -> usize {
+    while at < b.len() && matches!(b[at], b' ' | b'\t' | b'\n' | b'\r') {
+        at += 1;
+    }
+    at
+}
+
+/// `at` past `what` when `b` has `what` there.
+fn expect(b: &[u8], at: usize, what: &[u8]) -> Option<usize> {
+    b.get(at..at + what.len()).filter(|got| *got == what).map(|_| at + what.len())
+}
+
+/// The token ids of a plain JSON body, as little-endian uint32 words: exactly
+/// `{"token_ids": [n, ...]}` with JSON's whitespace anywhere between tokens, each `n` a JSON
+/// integer without sign, fraction or exponent (no leading zero) below 2^32, and at most
+/// `max_tokens` of them. None for any other body: the Python decoder (msgspec, the schema's
+/// home) reads those and answers what it refuses. Only ever stricter than the schema, so what
+/// this reads, the schema reads the same.
+pub fn json_tokens(body: &[u8], max_tokens: u64) -> Option<Vec<u8>> {
+    let mut at = expect(body, skip_ws(body, 0), b"{")?;
+    at = expect(body, skip_ws(body, at), b"\"token_ids\"")?;
+    at = expect(body, skip_ws(body, at), b":")?;
+    at = skip_ws(body, expect(body, skip_ws(body, at), b"[")?);
+    let mut words = Vec::with_capacity(body.len() / 2);
+    if body.get(at) == Some(&b']') {
+        at += 1;
+    } else {
+        loop {
+            let start = at;
+            let mut n: u64 = 0;
+            while let Some(&d @ b'0'..=b'9') = body.get(at) {
+                n = n * 10 + u64::from(d - b'0');
+                at += 1;
+                if n >= 1 << 32 {
+                    return None;
+                }
+            }
+            let digits = at - start;
+            if digits == 0 || (digits > 1 && body[start] == b'0') || words.len() as u64 / 4 >= max_tokens {
+                return None;
+            }
+            words.extend_from_slice(&(n as u32).to_le_bytes());
+            at = skip_ws(body, at);
+            match body.get(at) {
+                Some(b',') => at = skip_ws(body, at + 1),
+                Some(b']') => {
+                    at += 1;
+                    break;
+                }
+                _ => return None,
+            }
+        }
+    }
+    at = expect(body, skip_ws(body, at), b"}")?;
+    (skip_ws(body, at) == body.len()).then_some(words)
+}
+
 /// How an answer is framed, as the Python side formats it (`score_lane.Frame`): the response
 /// head up to its Content-Length value, the rest of the head, and the JSON body's opening and
 /// closing around the scores list.
@@ -42,8 +102,8 @@ type Frame<'a> = (&'a [u8], &'a [u8], &'a [u8], &'a [u8]);
 
 /// The answer to the plain request whose head is `data[start:end]` (`end` at its blank line):
 /// (the whole HTTP response, the offset past the request's body); None when the request is not
-/// plain (a query string, a JSON body, a head the lane does not take), its body is refused or
-/// not all read yet: the caller's general path then handles it.
+/// plain (a query string, a JSON body other than `json_tokens`', a head the lane does not
+/// take), its body is refused or not all read yet: the caller's general path then handles it.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 fn score_plain<'py>(
@@ -63,17 +123,29 @@ fn score_plain<'py>(
         return Ok(None);
     };
     // A bare `?` is no query string to the Python side either (`score_lane._query`).
-    if h.content_type != BINARY || h.query.is_some_and(|q| !q.is_empty()) || refusal(h.length, max_tokens).is_some() {
+    if h.query.is_some_and(|q| !q.is_empty()) {
         return Ok(None);
     }
     let (body_at, stop) = (end + 4, end + 4 + h.length as usize);
     if stop > bytes.len() {
         return Ok(None);
     }
-    // The body in place: a view the score's buffer reads, as the Python path passes it.
-    let view = PyMemoryView::from(data.as_any())?.get_item(PySlice::new(py, body_at as isize, stop as isize, 1))?;
-    let query =
-        Bound::new(py, ScoreQuery::Tokens { tokens: view.unbind(), block_size: 0, extra_keys: None, lora_name: None })?;
+    let tokens = if h.content_type == BINARY {
+        if refusal(h.length, max_tokens).is_some() {
+            return Ok(None);
+        }
+        // The body in place: a view the score's buffer reads, as the Python path passes it.
+        PyMemoryView::from(data.as_any())?.get_item(PySlice::new(py, body_at as isize, stop as isize, 1))?
+    } else {
+        match json_tokens(&bytes[body_at..stop], max_tokens) {
+            Some(words) => PyBytes::new(py, &words).into_any(),
+            None => return Ok(None),
+        }
+    };
+    let query = Bound::new(
+        py,
+        ScoreQuery::Tokens { tokens: tokens.unbind(), block_size: 0, extra_keys: None, lora_name: None },
+    )?;
     let json = score_trusted(py, index, fence, &PyList::new(py, [query])?, Some(top_k), true)?;
     let json = json.cast::<PyBytes>()?.as_bytes();
     let (head_open, head_close, body_open, body_close) = frame;
@@ -100,6 +172,47 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn words(ids: &[u32]) -> Vec<u8> {
+        ids.iter().flat_map(|t| t.to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn a_plain_json_body_is_read() {
+        assert_eq!(json_tokens(br#"{"token_ids":[1,2,3]}"#, 10), Some(words(&[1, 2, 3])));
+        assert_eq!(json_tokens(b" {\n\t\"token_ids\" :\r[ 0 , 4294967295 ]\n} ", 10), Some(words(&[0, u32::MAX])));
+        assert_eq!(json_tokens(br#"{"token_ids": []}"#, 0), Some(vec![]));
+        assert_eq!(json_tokens(br#"{"token_ids": [7, 8]}"#, 2), Some(words(&[7, 8])));
+    }
+
+    #[test]
+    fn any_other_json_body_is_left_to_the_schema() {
+        for body in [
+            &br#"{"token_ids": [1, 2, 3]}"#[..], // over the limit of 2 below
+            br#"{"token_ids": [4294967296]}"#,
+            br#"{"token_ids": [01]}"#,
+            br#"{"token_ids": [-1]}"#,
+            br#"{"token_ids": [-0]}"#,
+            br#"{"token_ids": [1.0]}"#,
+            br#"{"token_ids": [1e2]}"#,
+            br#"{"token_ids": [1,]}"#,
+            br#"{"token_ids": [,1]}"#,
+            br#"{"token_ids": ["1"]}"#,
+            br#"{"token_ids": [1] "#,
+            br#"{"token_ids": [1]} x"#,
+            br#"{"token_ids": [1], "top_k": 2}"#,
+            br#"{"top_k": 2, "token_ids": [1]}"#,
+            br#"{"token_\u0069ds": [1]}"#,
+            br#"{"token_ids": null}"#,
+            br#"[1, 2]"#,
+            b"",
+            b"\xef\xbb\xbf{\"token_ids\": [1]}",
+            b"{\"token_ids\": [1]\x0b}",
+            br#"{"token_ids": [99999999999999999999999]}"#,
+        ] {
+            assert_eq!(json_tokens(body, 2), None, "{}", String::from_utf8_lossy(body));
+        }
+    }
 
     #[test]
     fn a_binary_body_is_whole_words_up_to_the_limit() {

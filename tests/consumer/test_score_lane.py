@@ -202,9 +202,11 @@ async def test_with_peers_the_lane_answers_local_parts_and_aiohttp_scatters(popu
 
 
 async def test_the_core_answers_plain_requests_whole_and_the_lane_the_rest(populated, monkeypatch):
-    """Binary bodies without a query string are answered by ``_core.score_plain``; every other
-    hot request, one with a body the binary rule refuses, and one not yet all read, by the
-    general path. Either way the answer is aiohttp's, byte for byte."""
+    """Token ids alone without a query string (binary, or JSON of ``token_ids`` only) are
+    answered by ``_core.score_plain``; every other hot request, a body the binary rule
+    refuses, JSON the core does not read (other fields, numbers msgspec reads its own way or
+    refuses), and one not yet all read, by the general path. Either way the answer is
+    aiohttp's, byte for byte."""
     answered: list[bytes] = []
     real = score_lane._core.score_plain
 
@@ -220,10 +222,20 @@ async def test_the_core_answers_plain_requests_whole_and_the_lane_the_rest(popul
         request(le(TOKENS), BIN, line="POST /v1/score? HTTP/1.1"),
         request(le(TOKENS), "content-type:application/octet-stream", "Authorization: Bearer ignored"),
         request(b"", BIN),
+        request(json.dumps({"token_ids": TOKENS}).encode(), JSON),
+        request(b' {\n"token_ids" :[ %s ]\t} ' % ",".join(map(str, TOKENS)).encode(), "content-type: application/JSON"),
+        request(b'{"token_ids":[]}', JSON),
     ]
     general = [
         request(le(TOKENS), BIN, line="POST /v1/score?top_k=2 HTTP/1.1"),
-        request(json.dumps({"token_ids": TOKENS}).encode(), JSON),
+        request(json.dumps({"token_ids": TOKENS}).encode(), JSON, line="POST /v1/score?top_k=2 HTTP/1.1"),
+        request(json.dumps({"token_ids": TOKENS, "limit": 2}).encode(), JSON),
+        request(json.dumps({"limit": 2, "token_ids": TOKENS}).encode(), JSON),
+        request(b'{"token_ids": [01]}', JSON),
+        request(b'{"token_ids": [-0]}', JSON),
+        request(b'{"token_ids": [1.0]}', JSON),
+        request(b'{"token_ids": [4294967296]}', JSON),
+        request(json.dumps({"token_ids": list(range(MAX_TOKENS + 1))}).encode(), JSON),
         request(b"\x01\x00\x00", BIN),
         request(le(range(MAX_TOKENS + 1)), BIN),
     ]
@@ -404,6 +416,33 @@ def test_made_up_heads_are_answered_as_aiohttp_answers_them(populated, headers, 
     body = le(TOKENS[:4])
     fixed = [BIN, f"Content-Length: {len(body)}"] if hot else []
     raw = request(body, *fixed, *(f"{n}:{v}" for n, v in headers), line=f"POST {target} HTTP/1.1", length=False)
+
+    async def run():
+        async with Pair(populated[0]) as p:
+            return await p.both(raw, wait_s=1)
+
+    lane, plain = asyncio.run(run())
+    assert lane == plain, raw[:300]
+
+
+_WS = st.sampled_from(["", " ", "\n", "\t ", "\r\n", "\x0b", "\xa0"])
+_NUMBERS = st.sampled_from(
+    ["0", "7", "00", "01", "-0", "-1", "1.0", "1e2", "1E2", "4294967295", "4294967296", "99999999999999999999", '"5"']
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    numbers=st.lists(_NUMBERS, max_size=6),
+    ws=st.lists(_WS, min_size=8, max_size=8),
+    key=st.sampled_from(["token_ids", "token_id", "token_\\u0069ds", "limit"]),
+    tail=st.sampled_from(["", ',"limit":2', ",", " x"]),
+)
+def test_made_up_json_bodies_are_answered_as_aiohttp_answers_them(populated, numbers, ws, key, tail):
+    """Whatever JSON body of token ids, the lane's answer is aiohttp's: the core reads only
+    bodies the schema reads the same way, and leaves the rest to msgspec."""
+    body = f'{ws[0]}{{{ws[1]}"{key}"{ws[2]}:{ws[3]}[{ws[4]}{f"{ws[5]},".join(numbers)}{ws[6]}]{tail}}}{ws[7]}'
+    raw = request(body.encode(), JSON)
 
     async def run():
         async with Pair(populated[0]) as p:
