@@ -384,8 +384,9 @@ def make_app(
             raise BadRequest(400, f"invalid request: {e}") from None
         except msgspec.DecodeError as e:
             raise BadRequest(400, f"invalid JSON: {e}") from None
-        if len(req.token_ids) > max_tokens:
-            raise BadRequest(413, f"{len(req.token_ids)} tokens; at most {max_tokens}")
+        refused = _core.token_count_refusal(len(req.token_ids), max_tokens)
+        if refused is not None:
+            raise BadRequest(*refused)
         return req, extra
 
     async def parse(request: web.Request, decode: Callable[[Body], Any]) -> tuple[Any, Any] | web.Response:

@@ -226,6 +226,7 @@ def score_head(
 # ---------------------------------------------------------------- the lane's plain request (rust/src/score_lane.rs)
 
 def binary_body_refusal(length: int, max_tokens: int, /) -> tuple[int, str] | None: ...
+def token_count_refusal(count: int, max_tokens: int, /) -> tuple[int, str] | None: ...
 def score_plain(
     index: Index,
     fence: Fence,

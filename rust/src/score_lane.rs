@@ -10,8 +10,9 @@
 //! the score and two copies. A JSON body of 8k token ids took msgspec ~470 µs here (and its
 //! list another ~80 µs to pack); `json_tokens` reads that one shape.
 //!
-//! This is also the one home of the binary body's rule (`binary_body_refusal`), which the
-//! Python request decoder calls for every other binary request.
+//! This is also the one home of the rules on a query's tokens, whatever its form: a binary
+//! body is whole uint32 words (`binary_body_refusal`) and a query holds at most `max_tokens`
+//! (`token_count_refusal`). The Python request decoder asks these for every other request.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyMemoryView, PySlice};
@@ -20,21 +21,29 @@ use crate::pipeline::{score_trusted, PyFence};
 use crate::py_index::{PyIndex, ScoreQuery};
 use crate::score_head::{parse, BINARY};
 
+/// Why a query of `count` token ids is refused, as (HTTP status, message), or None: at most
+/// `max_tokens` of them, whatever the body's form.
+pub fn count_refusal(count: u64, max_tokens: u64) -> Option<(u16, String)> {
+    (count > max_tokens).then(|| (413, format!("{count} tokens; at most {max_tokens}")))
+}
+
 /// Why a binary body of `length` bytes is refused, as (HTTP status, message), or None: it must
-/// be whole little-endian uint32 token ids, at most `max_tokens` of them.
+/// be whole little-endian uint32 token ids, as many as `count_refusal` lets in.
 pub fn refusal(length: u64, max_tokens: u64) -> Option<(u16, String)> {
     if length % 4 != 0 {
         return Some((400, format!("invalid request: binary body of {length} bytes is not whole uint32 token ids")));
     }
-    if length / 4 > max_tokens {
-        return Some((413, format!("{} tokens; at most {max_tokens}", length / 4)));
-    }
-    None
+    count_refusal(length / 4, max_tokens)
 }
 
 #[pyfunction]
 fn binary_body_refusal(length: u64, max_tokens: u64) -> Option<(u16, String)> {
     refusal(length, max_tokens)
+}
+
+#[pyfunction]
+fn token_count_refusal(count: u64, max_tokens: u64) -> Option<(u16, String)> {
+    count_refusal(count, max_tokens)
 }
 
 /// JSON's whitespace.
@@ -52,11 +61,11 @@ fn expect(b: &[u8], at: usize, what: &[u8]) -> Option<usize> {
 
 /// The token ids of a plain JSON body, as little-endian uint32 words: exactly
 /// `{"token_ids": [n, ...]}` with JSON's whitespace anywhere between tokens, each `n` a JSON
-/// integer without sign, fraction or exponent (no leading zero) below 2^32, and at most
-/// `max_tokens` of them. None for any other body: the Python decoder (msgspec, the schema's
+/// integer without sign, fraction or exponent (no leading zero) below 2^32. None for any
+/// other body: the Python decoder (msgspec, the schema's
 /// home) reads those and answers what it refuses. Only ever stricter than the schema, so what
 /// this reads, the schema reads the same.
-pub fn json_tokens(body: &[u8], max_tokens: u64) -> Option<Vec<u8>> {
+pub fn json_tokens(body: &[u8]) -> Option<Vec<u8>> {
     let mut at = expect(body, skip_ws(body, 0), b"{")?;
     at = expect(body, skip_ws(body, at), b"\"token_ids\"")?;
     at = expect(body, skip_ws(body, at), b":")?;
@@ -76,7 +85,7 @@ pub fn json_tokens(body: &[u8], max_tokens: u64) -> Option<Vec<u8>> {
                 }
             }
             let digits = at - start;
-            if digits == 0 || (digits > 1 && body[start] == b'0') || words.len() as u64 / 4 >= max_tokens {
+            if digits == 0 || (digits > 1 && body[start] == b'0') {
                 return None;
             }
             words.extend_from_slice(&(n as u32).to_le_bytes());
@@ -137,9 +146,11 @@ fn score_plain<'py>(
         // The body in place: a view the score's buffer reads, as the Python path passes it.
         PyMemoryView::from(data.as_any())?.get_item(PySlice::new(py, body_at as isize, stop as isize, 1))?
     } else {
-        match json_tokens(&bytes[body_at..stop], max_tokens) {
-            Some(words) => PyBytes::new(py, &words).into_any(),
-            None => return Ok(None),
+        match json_tokens(&bytes[body_at..stop]) {
+            Some(words) if count_refusal(words.len() as u64 / 4, max_tokens).is_none() => {
+                PyBytes::new(py, &words).into_any()
+            }
+            _ => return Ok(None),
         }
     };
     let query = Bound::new(
@@ -165,6 +176,7 @@ fn score_plain<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(binary_body_refusal, m)?)?;
+    m.add_function(wrap_pyfunction!(token_count_refusal, m)?)?;
     m.add_function(wrap_pyfunction!(score_plain, m)?)?;
     Ok(())
 }
@@ -179,17 +191,16 @@ mod tests {
 
     #[test]
     fn a_plain_json_body_is_read() {
-        assert_eq!(json_tokens(br#"{"token_ids":[1,2,3]}"#, 10), Some(words(&[1, 2, 3])));
-        assert_eq!(json_tokens(b" {\n\t\"token_ids\" :\r[ 0 , 4294967295 ]\n} ", 10), Some(words(&[0, u32::MAX])));
-        assert_eq!(json_tokens(br#"{"token_ids": []}"#, 0), Some(vec![]));
-        assert_eq!(json_tokens(br#"{"token_ids": [7, 8]}"#, 2), Some(words(&[7, 8])));
+        assert_eq!(json_tokens(br#"{"token_ids":[1,2,3]}"#), Some(words(&[1, 2, 3])));
+        assert_eq!(json_tokens(b" {\n\t\"token_ids\" :\r[ 0 , 4294967295 ]\n} "), Some(words(&[0, u32::MAX])));
+        assert_eq!(json_tokens(br#"{"token_ids": []}"#), Some(vec![]));
+        assert_eq!(json_tokens(br#"{"token_ids": [7, 8]}"#), Some(words(&[7, 8])));
     }
 
     #[test]
     fn any_other_json_body_is_left_to_the_schema() {
         for body in [
-            &br#"{"token_ids": [1, 2, 3]}"#[..], // over the limit of 2 below
-            br#"{"token_ids": [4294967296]}"#,
+            &br#"{"token_ids": [4294967296]}"#[..],
             br#"{"token_ids": [01]}"#,
             br#"{"token_ids": [-1]}"#,
             br#"{"token_ids": [-0]}"#,
@@ -210,7 +221,7 @@ mod tests {
             b"{\"token_ids\": [1]\x0b}",
             br#"{"token_ids": [99999999999999999999999]}"#,
         ] {
-            assert_eq!(json_tokens(body, 2), None, "{}", String::from_utf8_lossy(body));
+            assert_eq!(json_tokens(body), None, "{}", String::from_utf8_lossy(body));
         }
     }
 
@@ -224,5 +235,7 @@ mod tests {
         }
         // Not whole words is the first refusal, whatever the length.
         assert_eq!(refusal(4 * 1000 + 1, 10).map(|r| r.0), Some(400));
+        assert_eq!(count_refusal(10, 10), None);
+        assert_eq!(count_refusal(11, 10), Some((413, "11 tokens; at most 10".to_string())));
     }
 }
