@@ -15,9 +15,10 @@ no rule of HTTP or of the API lives here that aiohttp does not apply first-hand 
 the lane passes on.
 
 The plain request, token ids alone with no query string (a binary body, or a JSON body of
-``token_ids`` and nothing else: a router's usual request), is answered whole by the core (``_core.score_plain``, ``rust/src/score_lane.rs``) when the app
-says its answer needs only the index and the fence (``Plain``: no bearer token, no peers, no
-live hold); the core declines anything else, which then takes the path above.
+``token_ids`` and nothing else: a router's usual request), is answered whole by the core
+(``_core.score_plain``, ``rust/src/score_lane.rs``) when the app says its answer needs only
+the index and the fence (``Plain``: no bearer token, no peers, no live hold); the core
+declines anything else, which then takes the path above.
 
 Why: at 8k tokens a score is ~15 µs in the core, and aiohttp's request and response objects,
 middleware chain and writer cost the member ~60 µs of Python per request on top
