@@ -59,37 +59,68 @@ fn expect(b: &[u8], at: usize, what: &[u8]) -> Option<usize> {
     b.get(at..at + what.len()).filter(|got| *got == what).map(|_| at + what.len())
 }
 
+/// The JSON integer at `at` if it has no sign, fraction, exponent or leading zero and is
+/// below 2^32, with the offset past its digits.
+#[inline(always)]
+fn number(b: &[u8], at: usize) -> Option<(u32, usize)> {
+    // Eight bytes at once where there are eight: where the first non-digit is gives the count,
+    // and three multiplies the value (SWAR). A digit at a time took ~110 µs for 8k ids here,
+    // mostly the branch on each number's length.
+    if let Some(chunk) = b.get(at..at + 8) {
+        let x = u64::from_le_bytes(chunk.try_into().ok()?) ^ 0x3030_3030_3030_3030;
+        // A byte's top bit set where it is not a digit: x & 0x7f + 0x76 passes 0x7f from 10 up
+        // (no carry into the next byte), and x's own top bit covers bytes from 0x80.
+        let not_digit = (((x & 0x7f7f_7f7f_7f7f_7f7f) + 0x7676_7676_7676_7676) | x) & 0x8080_8080_8080_8080;
+        if not_digit != 0 {
+            let k = (not_digit.trailing_zeros() / 8) as usize;
+            if k == 0 || (k > 1 && b[at] == b'0') {
+                return None;
+            }
+            // The k digits in the top bytes, zero digits below: the same number in eight.
+            let mut v = x << (64 - 8 * k);
+            v = v.wrapping_mul(10).wrapping_add(v >> 8);
+            v = ((v & 0x0000_00ff_0000_00ff).wrapping_mul(100 + (1_000_000 << 32))
+                + ((v >> 16) & 0x0000_00ff_0000_00ff).wrapping_mul(1 + (10_000 << 32)))
+                >> 32;
+            return Some((v as u32, at + k));
+        }
+    }
+    let mut n: u64 = 0;
+    let mut end = at;
+    while let Some(&d @ b'0'..=b'9') = b.get(end) {
+        n = n * 10 + u64::from(d - b'0');
+        end += 1;
+        if n >= 1 << 32 {
+            return None;
+        }
+    }
+    let digits = end - at;
+    if digits == 0 || (digits > 1 && b[at] == b'0') {
+        return None;
+    }
+    Some((n as u32, end))
+}
+
 /// The token ids of a plain JSON body, as little-endian uint32 words: exactly
 /// `{"token_ids": [n, ...]}` with JSON's whitespace anywhere between tokens, each `n` a JSON
 /// integer without sign, fraction or exponent (no leading zero) below 2^32. None for any
-/// other body: the Python decoder (msgspec, the schema's
-/// home) reads those and answers what it refuses. Only ever stricter than the schema, so what
-/// this reads, the schema reads the same.
+/// other body: the Python decoder (msgspec, the schema's home) reads those and answers what
+/// it refuses. Only ever stricter than the schema, so what this reads, the schema reads the
+/// same.
 pub fn json_tokens(body: &[u8]) -> Option<Vec<u8>> {
     let mut at = expect(body, skip_ws(body, 0), b"{")?;
     at = expect(body, skip_ws(body, at), b"\"token_ids\"")?;
     at = expect(body, skip_ws(body, at), b":")?;
     at = skip_ws(body, expect(body, skip_ws(body, at), b"[")?);
-    let mut words = Vec::with_capacity(body.len() / 2);
+    // A number and its comma take six bytes or more in the usual body: a word each.
+    let mut words = Vec::with_capacity(body.len() / 6 * 4 + 4);
     if body.get(at) == Some(&b']') {
         at += 1;
     } else {
         loop {
-            let start = at;
-            let mut n: u64 = 0;
-            while let Some(&d @ b'0'..=b'9') = body.get(at) {
-                n = n * 10 + u64::from(d - b'0');
-                at += 1;
-                if n >= 1 << 32 {
-                    return None;
-                }
-            }
-            let digits = at - start;
-            if digits == 0 || (digits > 1 && body[start] == b'0') {
-                return None;
-            }
-            words.extend_from_slice(&(n as u32).to_le_bytes());
-            at = skip_ws(body, at);
+            let (n, next) = number(body, at)?;
+            words.extend_from_slice(&n.to_le_bytes());
+            at = skip_ws(body, next);
             match body.get(at) {
                 Some(b',') => at = skip_ws(body, at + 1),
                 Some(b']') => {
@@ -222,6 +253,46 @@ mod tests {
             br#"{"token_ids": [99999999999999999999999]}"#,
         ] {
             assert_eq!(json_tokens(body), None, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    /// `number`'s rule read the slow way: the digit run at `at`, whole.
+    fn number_oracle(b: &[u8], at: usize) -> Option<(u32, usize)> {
+        let digits = b[at..].iter().take_while(|c| c.is_ascii_digit()).count();
+        if digits == 0 || (digits > 1 && b[at] == b'0') || digits > 12 {
+            return None;
+        }
+        let n: u64 = std::str::from_utf8(&b[at..at + digits]).ok()?.parse().ok()?;
+        (n < 1 << 32).then_some((n as u32, at + digits))
+    }
+
+    #[test]
+    fn numbers_are_read_as_the_slow_rule_reads_them() {
+        // Every digit count 0-12 (leading zeros included), each followed by every kind of byte
+        // and by the end of the body, at every offset into an eight-byte window.
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for _ in 0..200_000 {
+            let digits = (next() % 13) as usize;
+            let mut b: Vec<u8> = (0..next() % 9).map(|_| b'x').collect();
+            let at = b.len();
+            for i in 0..digits {
+                let d = if i == 0 && next() % 4 != 0 { 1 + next() % 9 } else { next() % 10 };
+                b.push(b'0' + d as u8);
+            }
+            let tail: &[u8] =
+                [&b""[..], b",", b"]", b" ", b"/", b":", b".", b"e", b"\xb0", b"\x3a"][(next() % 10) as usize];
+            b.extend_from_slice(tail);
+            b.extend((0..next() % 10).map(|_| b"0123456789, ]"[(next() % 13) as usize]));
+            assert_eq!(number(&b, at), number_oracle(&b, at), "{:?} at {at}", String::from_utf8_lossy(&b));
+        }
+        for s in ["4294967295]", "4294967296]", "42949672950", "0,", "00,", "1234567,", "12345678,", "99999999]"] {
+            assert_eq!(number(s.as_bytes(), 0), number_oracle(s.as_bytes(), 0), "{s}");
         }
     }
 
