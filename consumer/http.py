@@ -177,17 +177,11 @@ def binary_request(body: Body, query: Any, max_tokens: int) -> ScoreRequest:
     """The octet-stream form: the body is the token ids as little-endian uint32, read in
     place; the other fields come from the query string (``query_request``)."""
     req = query_request(query)
-    return msgspec.structs.replace(req, token_ids=binary_tokens(body, max_tokens))
-
-
-def binary_tokens(body: Body, max_tokens: int) -> np.ndarray:
-    """The binary body's token ids, read in place; BadRequest when it is not whole uint32
-    words (400) or holds more than ``max_tokens`` (413)."""
     refused = _core.binary_body_refusal(len(body), max_tokens)  # the rule's home: rust/src/score_lane.rs
     if refused is not None:
         raise BadRequest(*refused)
     # The core reads the buffer's bytes as little-endian words, so the body goes as it came.
-    return np.frombuffer(body, np.uint32)
+    return msgspec.structs.replace(req, token_ids=np.frombuffer(body, np.uint32))
 
 
 def _packed(tokens: Any) -> Any:

@@ -135,9 +135,9 @@ pub fn json_tokens(body: &[u8]) -> Option<Vec<u8>> {
     (skip_ws(body, at) == body.len()).then_some(words)
 }
 
-/// How an answer is framed, as the Python side formats it (`score_lane.Frame`): the response
-/// head up to its Content-Length value, the rest of the head, and the JSON body's opening and
-/// closing around the scores list.
+/// How an answer is framed, as the Python side formats it (`ScoreLane._serve`'s `frame`): the
+/// response head up to its Content-Length value, the rest of the head, and the JSON body's
+/// opening and closing around the scores list.
 type Frame<'a> = (&'a [u8], &'a [u8], &'a [u8], &'a [u8]);
 
 /// The answer to the plain request whose head is `data[start:end]` (`end` at its blank line):
