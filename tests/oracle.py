@@ -64,6 +64,18 @@ def reach_of(kind, window, bs):
     return 1 if kind == "mamba" else None
 
 
+def _weighted(served) -> float:
+    """A score from (weight, tokens) pairs: tokens x weight summed highest weight first, equal
+    weights merged, so that a prefix's score is one float however its blocks were counted."""
+    by: dict[float, int] = {}
+    for t, n in served:
+        by[t] = by.get(t, 0) + n
+    score = 0.0
+    for t in sorted(by, reverse=True):
+        score += by[t] * t
+    return score
+
+
 def _lcm(a: int, b: int) -> int:
     from math import gcd
 
@@ -387,7 +399,8 @@ class Oracle:
             media = [m for (ww, m) in hold if ww == w]
             best_run, best_score, best_by = 0, 0.0, {}
             for bs, keys in per_bs:
-                run, wsum = 0, 0.0
+                run = 0
+                served: dict[float, int] = {}  # the best weight of each matched block -> its tokens
                 by = {m: 0 for m in media}
                 alive = set(media)
                 for k in keys:
@@ -395,14 +408,15 @@ class Oracle:
                     if not on:
                         break
                     run += 1
-                    wsum += max(wts.get(m, self.default_weight) for m in on)
+                    t = max(wts.get(m, self.default_weight) for m in on)
+                    served[t] = served.get(t, 0) + bs
                     for m in list(alive):
                         if m in on:
                             by[m] += 1
                         else:
                             alive.discard(m)
                 best_run = max(best_run, run * bs)
-                best_score = max(best_score, wsum * bs)
+                best_score = max(best_score, _weighted(served.items()))
                 for m, v in by.items():
                     if v:
                         best_by[m] = max(best_by.get(m, 0), v * bs)
@@ -441,11 +455,12 @@ class Oracle:
                     best = L
             return best
 
-        score, prev = 0.0, 0
+        served, prev = [], 0
         for t in sorted({wts.get(m, self.default_weight) for m in media}, reverse=True):
             L = usable([m for m in media if wts.get(m, self.default_weight) >= t])
-            score += max(0, L - prev) * t
+            served.append((t, max(0, L - prev)))
             prev = max(prev, L)
+        score = _weighted(served)
         if prev == 0:
             return None
         by = {m: v for m in media if (v := usable([m]))}

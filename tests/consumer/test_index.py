@@ -193,6 +193,25 @@ def test_media_weights_and_by_medium():
     same(ix, orc, [TOKS])
 
 
+def test_a_score_is_tokens_times_weight_on_every_path():
+    """One float per prefix whichever path scores it: 6 blocks of 16 at CPU's 0.8 are 96 x 0.8
+    (76.80000000000001), not six 0.8s summed (76.8). The one-medium walk, the several-media
+    walk and the oracle gave the two different floats, and ordering or equality drifted."""
+    t = list(range(2000, 2096))
+    cpu_only = both(("store", A, ev(t, 16, 0, 6, medium="CPU")))
+    assert cpu_only[0].score(t)[0].score == 96 * 0.8
+    # Several media in the index: the general walk. A holds 2 blocks on GPU and 6 on CPU.
+    mixed = both(
+        ("store", A, ev(t, 16, 0, 2)),
+        ("store", A, ev(t, 16, 0, 6, medium="CPU")),
+        ("store", C, ev(t, 16, 0, 6, medium="CPU")),
+    )
+    by = {x.instance_id: x.score for x in mixed[0].score(t)}
+    assert by == {"a": 32 * 1.0 + 64 * 0.8, "c": 96 * 0.8}
+    for ix, orc in (cpu_only, mixed):
+        same(ix, orc, [t, t[:80]])
+
+
 def test_block_sizes_side_by_side_each_worker_gets_its_best():
     long = TOKS * 8  # 512 tokens
     ix, orc = both(

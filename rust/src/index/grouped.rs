@@ -249,12 +249,16 @@ impl Index {
             let mut levels: Vec<f64> = media.iter().map(|&m| weights[m as usize]).collect();
             levels.sort_by(|a, b| b.partial_cmp(a).unwrap_or(std::cmp::Ordering::Equal));
             levels.dedup();
-            let (mut score, mut prev) = (0f64, 0i64);
+            // The tokens each weight serves: those the media weighing at least it reach beyond
+            // what heavier media reach.
+            let mut served: Vec<(f64, i64)> = Vec::with_capacity(levels.len());
+            let mut prev = 0i64;
             for &t in &levels {
                 let l = usable(&|m| weights[m as usize] >= t);
-                score += (l - prev).max(0) as f64 * t;
+                served.push((t, (l - prev).max(0)));
                 prev = prev.max(l);
             }
+            let score = super::walk::weighted(&served);
             if prev == 0 {
                 continue;
             }

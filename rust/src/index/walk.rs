@@ -40,6 +40,8 @@ struct Scratch {
     run_wm: Vec<u32>,
     cnt: Vec<u32>,
     bestw: Vec<f64>,
+    bestm: Vec<u32>,
+    wcnt: Vec<u32>,
     ok: Vec<bool>,
     alive: Vec<u64>,
     held: Vec<u64>,
@@ -61,6 +63,30 @@ thread_local! {
 }
 
 /// `v` as `n` copies of `x`, reusing its allocation.
+/// A worker's score from the tokens each weight serves, `(weight, tokens)`: the sum of
+/// tokens x weight, equal weights merged, the highest weight first. Every path (one medium,
+/// several, hybrid groups) and the oracle sum the same way, so that one prefix gets one float
+/// whichever path scored it (a sum block by block drifted: 6 blocks of 16 at 0.8 gave 76.8
+/// where 96 x 0.8 gives 76.80000000000001).
+pub(super) fn weighted(levels: &[(f64, i64)]) -> f64 {
+    if let [(t, tokens)] = levels {
+        return *tokens as f64 * t;
+    }
+    let mut v = levels.to_vec();
+    v.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
+    let (mut score, mut i) = (0f64, 0);
+    while i < v.len() {
+        let t = v[i].0;
+        let mut tokens = 0i64;
+        while i < v.len() && v[i].0 == t {
+            tokens += v[i].1;
+            i += 1;
+        }
+        score += tokens as f64 * t;
+    }
+    score
+}
+
 fn filled<T: Copy>(v: &mut Vec<T>, n: usize, x: T) -> &mut [T] {
     v.clear();
     v.resize(n, x);
@@ -303,6 +329,8 @@ impl Index {
             run_wm,
             cnt,
             bestw,
+            bestm,
+            wcnt,
             ok,
             alive,
             held,
@@ -320,6 +348,10 @@ impl Index {
         let run_wm = filled(run_wm, nwm, 0);
         let cnt = filled(cnt, nwm, 0);
         let bestw = filled(bestw, nw, -1.0);
+        let nmed = weights.len();
+        let bestm = filled(bestm, nw, 0);
+        // Per worker, its blocks of this walk by the medium that weighs most among their holders.
+        let wcnt = filled(wcnt, if self.media.len() == 1 { 0 } else { nw * nmed }, 0);
         touched.clear();
         // One flag per worker whatever the mask's length (unchecked reads below rely on it).
         let ok = filled(ok, nw, true);
@@ -359,7 +391,8 @@ impl Index {
                     if r > 0 {
                         let w = self.wm_worker[wm] as usize;
                         run_w[w] = run_w[w].max(r);
-                        score_w[w] = score_w[w].max(r as f64 * weights[self.wm_medium[wm] as usize]);
+                        let wt = weights[self.wm_medium[wm] as usize];
+                        score_w[w] = score_w[w].max(weighted(&[(wt, r as i64 * scale)]));
                     }
                 }
             }
@@ -389,6 +422,7 @@ impl Index {
                             let wt = weights[self.wm_medium[wmu] as usize];
                             if wt > bestw[w] {
                                 bestw[w] = wt;
+                                bestm[w] = self.wm_medium[wmu];
                             }
                         }
                     }
@@ -426,6 +460,7 @@ impl Index {
                         let wt = weights[self.wm_medium[wmu] as usize];
                         if wt > bestw[w] {
                             bestw[w] = wt;
+                            bestm[w] = self.wm_medium[wmu];
                         }
                     }
                     cnt[wmu] = 0;
@@ -433,7 +468,7 @@ impl Index {
                 for &w in wtouched.iter() {
                     let w = w as usize;
                     run_w[w] = i as u32 + 1;
-                    score_w[w] += bestw[w];
+                    wcnt[w * nmed + bestm[w] as usize] += 1;
                     bestw[w] = -1.0;
                 }
                 if wtouched.is_empty() {
@@ -447,8 +482,15 @@ impl Index {
             hit_any = true;
             for w in 0..nw {
                 if run_w[w] > 0 {
+                    if self.media.len() != 1 {
+                        let row = &mut wcnt[w * nmed..(w + 1) * nmed];
+                        let levels: Vec<(f64, i64)> =
+                            (0..nmed).filter(|&m| row[m] > 0).map(|m| (weights[m], row[m] as i64 * scale)).collect();
+                        row.fill(0);
+                        score_w[w] = weighted(&levels);
+                    }
                     best_run[w] = best_run[w].max(run_w[w] as i64 * scale);
-                    best_score[w] = best_score[w].max(score_w[w] * scale as f64);
+                    best_score[w] = best_score[w].max(score_w[w]);
                     run_w[w] = 0;
                     score_w[w] = 0.0;
                 }
@@ -585,8 +627,11 @@ impl Index {
         if self.walk_one_medium(q, n, &[], true, &[weight], Runs { run_wm, cnt, alive, held, touched }) == 0 {
             return out;
         }
-        // As the general path computes them: run x weight, then x block size.
-        let at = |w: usize| (run_wm[w] as i64 * scale, run_wm[w] as f64 * weight * scale as f64);
+        // As the general path computes them (`weighted`).
+        let at = |w: usize| {
+            let tokens = run_wm[w] as i64 * scale;
+            (tokens, weighted(&[(weight, tokens)]))
+        };
         let hits: Vec<u32> = match top_k {
             Some(k) if k < nw => self.ordered_hits(at, top_k).iter().map(|h| h.3).collect(),
             _ => self.by_run_then_name(run_wm),
