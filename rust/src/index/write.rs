@@ -376,13 +376,13 @@ impl Index {
             let mut n = 0;
             while n < SWEEP_BATCH.min(budget) && *si < t.shards.len() {
                 let sh = &t.shards[*si];
-                if *j == sh.eh.len() {
+                if *j == sh.slot.len() {
                     *si += 1;
                     *j = 0;
                     continue;
                 }
-                if sh.meta[*j] != 0 {
-                    keys[n] = sh.key[*j];
+                if sh.slot[*j].meta != 0 {
+                    keys[n] = sh.slot[*j].key();
                     n += 1;
                 }
                 *j += 1;
