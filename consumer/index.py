@@ -68,7 +68,9 @@ Semantics (``tests/oracle.py`` is the executable spec):
   block size); a worker's ``matched_tokens`` is its longest run of leading
   blocks held on any medium, ``by_medium`` the run per medium, ``score`` the
   sum over matched blocks of block_size x the best weight among the media
-  holding that block; across block sizes each field takes its maximum.
+  holding that block (summed as tokens x weight per distinct weight, highest
+  first, so that a prefix has one float on every path); across block sizes each
+  field takes its maximum.
   Results: workers with matched_tokens > 0, best first by (score,
   matched_tokens), then (instance_id, dp_rank); ``top_k`` keeps the first k.
 
