@@ -414,6 +414,9 @@ pub fn apply_poll<'py>(
     let mut t = Tally::default();
     let mut dead = vec![];
     let mut seen: Vec<(String, i64)> = vec![];
+    // A hash of each rank in `seen` -> its place there: a record checks one entry, where a scan
+    // compared its name with every rank seen so far (a few hundred in an interleaved fleet).
+    let mut seen_at: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
     let n = records.len();
     let mut i = start;
     let value_attr = pyo3::intern!(py, "value");
@@ -440,9 +443,9 @@ pub fn apply_poll<'py>(
         }
         let bytes: Vec<&[u8]> = values.iter().map(|b| b.as_bytes()).collect();
         let base = i;
-        let (tr, dr, sr) = (&mut t, &mut dead, &mut seen);
+        let (tr, dr, sr, ar) = (&mut t, &mut dead, &mut seen, &mut seen_at);
         let stop = py.detach(|| {
-            let (t, dead, seen) = (tr, dr, sr);
+            let (t, dead, seen, seen_at) = (tr, dr, sr, ar);
             let mut k = 0;
             // Whether the index may hold growths deferred by a quantum (an earlier call's too).
             let mut deferred = true;
@@ -472,9 +475,9 @@ pub fn apply_poll<'py>(
                     let s = stamp(&rec);
                     let applied = apply_one(ix, f, &s, &mut evs, t, now_us);
                     let fenced = !matches!(applied, Applied::Skipped | Applied::Dead(DeadKind::Malformed, _));
-                    if fenced && !seen.iter().any(|(a, d)| a == s.inst && *d == s.dp) {
+                    if fenced {
                         // An overflowed record was fenced (its rank is known here); a malformed one was not.
-                        seen.push((s.inst.to_owned(), s.dp));
+                        note_seen(seen, seen_at, s.inst, s.dp);
                     }
                     if let Applied::Dead(kind, message) = applied {
                         dead.push(DeadRecord { index: base + k, kind, message });
@@ -518,6 +521,25 @@ pub fn apply_poll<'py>(
         }
     }
     Ok(Poll { next: i, declined: false, tally: t, dead, seen })
+}
+
+/// Adds the rank to `seen` unless it is there; `at` maps a hash of each rank to its place.
+fn note_seen(seen: &mut Vec<(String, i64)>, at: &mut std::collections::HashMap<u64, usize>, inst: &str, dp: i64) {
+    let h = keys::xxh3(inst.as_bytes(), dp as u64);
+    let is = |j: usize| seen[j].0 == inst && seen[j].1 == dp;
+    match at.get(&h) {
+        Some(&j) if is(j) => {}
+        // Another rank with the same hash: the list itself says.
+        Some(_) => {
+            if !(0..seen.len()).any(is) {
+                seen.push((inst.to_owned(), dp));
+            }
+        }
+        None => {
+            at.insert(h, seen.len());
+            seen.push((inst.to_owned(), dp));
+        }
+    }
 }
 
 /// What `apply_events` did: its status, the blocks the events named when applied, and what

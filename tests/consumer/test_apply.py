@@ -243,3 +243,32 @@ def test_score_json_escapes_worker_ids_and_media_as_the_oracle_does():
     entries = json.loads(got)
     assert sorted(e["instance_id"] for e in entries) == sorted(names)
     assert {e["dp_rank"] for e in entries} == {-i for i in range(len(names))}
+
+
+def test_a_partition_remembers_each_rank_it_carried_once():
+    """``workers_by_partition`` (what a revoked partition's workers are dropped by) lists each
+    (instance, dp rank) whose records were fenced, once, however many records and ranks a call
+    carries; a malformed record's rank is not listed (it was never fenced)."""
+    from types import SimpleNamespace
+
+    ranks = [WorkerId(f"w{i % 40:03d}", i % 3) for i in range(300)]
+    seqs: dict = {}
+    recs = []
+    for off, w in enumerate(ranks):
+        seq = seqs.get(w, 0)
+        seqs[w] = seq + 1
+        ev = stored([off + 1], range(off * 16, off * 16 + 16), 16)
+        recs.append(
+            SimpleNamespace(
+                offset=off, key=None, timestamp=0, value=codec.encode(EventBatch(w, 1, seq, 0, (ev,), reset=seq == 0))
+            )
+        )
+    lone = WorkerId("malformed-only", 0)
+    bad = stored([9, 10], range(20), 16)  # 20 tokens cannot be 2 blocks of 16
+    value = codec.encode(EventBatch(lone, 1, 0, 0, (bad,), reset=True))
+    recs.append(SimpleNamespace(offset=len(recs), key=None, timestamp=0, value=value))
+    a = Applier()
+    assert a.apply_records("t", 5, recs, 0, budget_us=1 << 40) == len(recs)
+    assert a.workers_by_partition[5] == {(w.instance_id, w.dp_rank) for w in ranks}
+    assert (lone.instance_id, lone.dp_rank) not in a.workers_by_partition[5]
+    assert len(a.take_dead_letters()) == 1
