@@ -212,6 +212,22 @@ def test_a_score_is_tokens_times_weight_on_every_path():
         same(ix, orc, [t, t[:80]])
 
 
+def test_equal_scores_come_in_name_order_whatever_order_workers_joined():
+    """The last tie-break, (instance_id, dp_rank), is kept as workers join (by bisection into
+    the names so far); joined in a random order, equal scores still come out sorted."""
+    t = list(range(3000, 3032))
+    names = [WorkerId(f"w{i % 37:02d}-{i // 37}", i % 3) for i in range(200)]
+    random.Random(7).shuffle(names)
+    ix, orc = PrefixIndex(), Oracle()
+    for w in names:
+        for x in (ix, orc):
+            x.store(w, ev(t, 16, 0, 2))
+    got = [(s.instance_id, s.dp_rank) for s in ix.score(t)]
+    assert got == sorted((w.instance_id, w.dp_rank) for w in names)
+    assert [(s.instance_id, s.dp_rank) for s in ix.score(t, top_k=5)] == got[:5]
+    same(ix, orc, [t])
+
+
 def test_block_sizes_side_by_side_each_worker_gets_its_best():
     long = TOKS * 8  # 512 tokens
     ix, orc = both(
