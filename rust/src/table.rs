@@ -1,6 +1,6 @@
 //! Open-addressing tables behind the index.
 //!
-//! Both kinds are linear probing over parallel arrays, deleted with backward
+//! Both kinds are linear probing over arrays of slots, deleted with backward
 //! shift (no tombstones, so a long-lived index never degrades), sized to any
 //! capacity (fastrange instead of a power-of-two mask, so growing by 1.5x keeps
 //! the load between 0.6 and 0.9). Each table is split into shards chosen by the
@@ -282,8 +282,7 @@ impl RTable {
         }
     }
 
-    /// Start loading where `eh`'s lookup and insert read and write (its home in each of the
-    /// parallel arrays). A store prefetches all its blocks' slots before it touches any: the
+    /// Start loading where `eh`'s lookup and insert read and write (its home slot). A store prefetches all its blocks' slots before it touches any: the
     /// tables are far larger than the cache, and one block's misses no longer wait on the last's.
     #[inline]
     pub fn prefetch(&self, eh: u64) {
