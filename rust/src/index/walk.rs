@@ -62,7 +62,6 @@ thread_local! {
     static SCRATCH: std::cell::Cell<Scratch> = std::cell::Cell::new(Scratch::default());
 }
 
-/// `v` as `n` copies of `x`, reusing its allocation.
 /// A worker's score from the tokens each weight serves, `(weight, tokens)`: the sum of
 /// tokens x weight, equal weights merged, the highest weight first. Every path (one medium,
 /// several, hybrid groups) and the oracle sum the same way, so that one prefix gets one float
@@ -87,6 +86,7 @@ pub(super) fn weighted(levels: &[(f64, i64)]) -> f64 {
     score
 }
 
+/// `v` as `n` copies of `x`, reusing its allocation.
 fn filled<T: Copy>(v: &mut Vec<T>, n: usize, x: T) -> &mut [T] {
     v.clear();
     v.resize(n, x);
@@ -845,6 +845,15 @@ mod tests {
     /// The one-query path (`score_one`) answers as the general one, which a mask of every
     /// worker forces: hits in both 64-wm words, a hot key's holder set, a conversation's own
     /// tail, ties, a weight, top_k below and above the hits, and a query shorter than a block.
+    #[test]
+    fn weighted_sums_tokens_per_weight_merged_highest_first() {
+        assert_eq!(weighted(&[(0.8, 96)]), 96.0 * 0.8);
+        // Equal weights are merged before the product, whatever order they come in.
+        assert_eq!(weighted(&[(0.8, 32), (1.0, 32), (0.8, 64)]), 32.0 * 1.0 + 96.0 * 0.8);
+        assert_ne!(96.0 * 0.8, [0.8f64; 6].iter().sum::<f64>() * 16.0, "the drift the rule removes");
+        assert_eq!(weighted(&[]), 0.0);
+    }
+
     #[test]
     fn the_one_query_path_answers_as_the_general_one() {
         let mut ix = Index::new();
