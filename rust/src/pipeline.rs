@@ -416,7 +416,7 @@ pub fn apply_poll<'py>(
     let mut seen: Vec<(String, i64)> = vec![];
     // A hash of each rank in `seen` -> its place there: a record checks one entry, where a scan
     // compared its name with every rank seen so far (a few hundred in an interleaved fleet).
-    let mut seen_at: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut seen_at = SeenAt::default();
     let n = records.len();
     let mut i = start;
     let value_attr = pyo3::intern!(py, "value");
@@ -523,8 +523,11 @@ pub fn apply_poll<'py>(
     Ok(Poll { next: i, declined: false, tally: t, dead, seen })
 }
 
+/// A hash of each rank in a call's `seen` -> its place there (the hash is XXH3's already).
+type SeenAt = std::collections::HashMap<u64, usize, std::hash::BuildHasherDefault<crate::table::KeyHasher>>;
+
 /// Adds the rank to `seen` unless it is there; `at` maps a hash of each rank to its place.
-fn note_seen(seen: &mut Vec<(String, i64)>, at: &mut std::collections::HashMap<u64, usize>, inst: &str, dp: i64) {
+fn note_seen(seen: &mut Vec<(String, i64)>, at: &mut SeenAt, inst: &str, dp: i64) {
     let h = keys::xxh3(inst.as_bytes(), dp as u64);
     let is = |j: usize| seen[j].0 == inst && seen[j].1 == dp;
     match at.get(&h) {

@@ -258,7 +258,7 @@ impl Index {
                 served.push((t, (l - prev).max(0)));
                 prev = prev.max(l);
             }
-            let score = super::walk::weighted(&served);
+            let score = super::walk::weighted(&mut served);
             if prev == 0 {
                 continue;
             }

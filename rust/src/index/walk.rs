@@ -66,12 +66,12 @@ thread_local! {
 /// tokens x weight, equal weights merged, the highest weight first. Every path (one medium,
 /// several, hybrid groups) and the oracle sum the same way, so that one prefix gets one float
 /// whichever path scored it (a sum block by block drifted: 6 blocks of 16 at 0.8 gave 76.8
-/// where 96 x 0.8 gives 76.80000000000001).
-pub(super) fn weighted(levels: &[(f64, i64)]) -> f64 {
+/// where 96 x 0.8 gives 76.80000000000001). Sorts `levels` in place: no allocation on the walk.
+pub(super) fn weighted(levels: &mut [(f64, i64)]) -> f64 {
     if let [(t, tokens)] = levels {
-        return *tokens as f64 * t;
+        return *tokens as f64 * *t;
     }
-    let mut v = levels.to_vec();
+    let v = levels;
     v.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap_or(std::cmp::Ordering::Equal));
     let (mut score, mut i) = (0f64, 0);
     while i < v.len() {
@@ -352,6 +352,8 @@ impl Index {
         let bestm = filled(bestm, nw, 0);
         // Per worker, its blocks of this walk by the medium that weighs most among their holders.
         let wcnt = filled(wcnt, if self.media.len() == 1 { 0 } else { nw * nmed }, 0);
+        // A worker's (weight, tokens) for `weighted`, one buffer for the whole score.
+        let mut levels: Vec<(f64, i64)> = Vec::with_capacity(nmed);
         touched.clear();
         // One flag per worker whatever the mask's length (unchecked reads below rely on it).
         let ok = filled(ok, nw, true);
@@ -392,7 +394,7 @@ impl Index {
                         let w = self.wm_worker[wm] as usize;
                         run_w[w] = run_w[w].max(r);
                         let wt = weights[self.wm_medium[wm] as usize];
-                        score_w[w] = score_w[w].max(weighted(&[(wt, r as i64 * scale)]));
+                        score_w[w] = score_w[w].max(weighted(&mut [(wt, r as i64 * scale)]));
                     }
                 }
             }
@@ -484,10 +486,10 @@ impl Index {
                 if run_w[w] > 0 {
                     if self.media.len() != 1 {
                         let row = &mut wcnt[w * nmed..(w + 1) * nmed];
-                        let levels: Vec<(f64, i64)> =
-                            (0..nmed).filter(|&m| row[m] > 0).map(|m| (weights[m], row[m] as i64 * scale)).collect();
+                        levels.clear();
+                        levels.extend((0..nmed).filter(|&m| row[m] > 0).map(|m| (weights[m], row[m] as i64 * scale)));
                         row.fill(0);
-                        score_w[w] = weighted(&levels);
+                        score_w[w] = weighted(&mut levels);
                     }
                     best_run[w] = best_run[w].max(run_w[w] as i64 * scale);
                     best_score[w] = best_score[w].max(score_w[w]);
@@ -630,7 +632,7 @@ impl Index {
         // As the general path computes them (`weighted`).
         let at = |w: usize| {
             let tokens = run_wm[w] as i64 * scale;
-            (tokens, weighted(&[(weight, tokens)]))
+            (tokens, weighted(&mut [(weight, tokens)]))
         };
         let hits: Vec<u32> = match top_k {
             Some(k) if k < nw => self.ordered_hits(at, top_k).iter().map(|h| h.3).collect(),
@@ -847,11 +849,11 @@ mod tests {
     /// tail, ties, a weight, top_k below and above the hits, and a query shorter than a block.
     #[test]
     fn weighted_sums_tokens_per_weight_merged_highest_first() {
-        assert_eq!(weighted(&[(0.8, 96)]), 96.0 * 0.8);
+        assert_eq!(weighted(&mut [(0.8, 96)]), 96.0 * 0.8);
         // Equal weights are merged before the product, whatever order they come in.
-        assert_eq!(weighted(&[(0.8, 32), (1.0, 32), (0.8, 64)]), 32.0 * 1.0 + 96.0 * 0.8);
+        assert_eq!(weighted(&mut [(0.8, 32), (1.0, 32), (0.8, 64)]), 32.0 * 1.0 + 96.0 * 0.8);
         assert_ne!(96.0 * 0.8, [0.8f64; 6].iter().sum::<f64>() * 16.0, "the drift the rule removes");
-        assert_eq!(weighted(&[]), 0.0);
+        assert_eq!(weighted(&mut []), 0.0);
     }
 
     #[test]
