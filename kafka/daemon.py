@@ -63,16 +63,34 @@ def spawn(cmd: list[str], log_path: Path, pid_path: Path, cwd: Path | None = Non
     return pid
 
 
-def wait_ready(pid: int, ready: Callable[[], bool], timeout_s: float) -> str | None:
-    """None once ``ready()``; else why not (the process died, or the time ran out)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def wait_ready(
+    pid: int,
+    ready: Callable[[], bool],
+    timeout_s: float,
+    progress: Callable[[], object] | None = None,
+    cap_s: float | None = None,
+) -> str | None:
+    """None once ``ready()``; else why not (the process died, or the time ran out).
+
+    With ``progress`` (a value that changes while startup advances, such as the size of the
+    process's log), ``timeout_s`` counts from its last change, up to ``cap_s`` in all: a broker
+    that recovers a thousand logs after a crash is slow, not stuck, and one that stops writing
+    is stuck however young it is."""
+    t0 = time.monotonic()
+    cap = t0 + max(timeout_s, cap_s or 0.0)
+    deadline = t0 + timeout_s
+    seen = progress() if progress else None
+    while (now := time.monotonic()) < min(deadline, cap):
         if not alive(pid):
             return "exited during startup"
         if ready():
             return None
+        if progress is not None and (p := progress()) != seen:
+            seen, deadline = p, now + timeout_s
         time.sleep(0.25)
-    return f"not ready after {timeout_s:.0f}s"
+    if progress is not None and time.monotonic() < cap:
+        return f"not ready, and no progress for {timeout_s:.0f}s"
+    return f"not ready after {time.monotonic() - t0:.0f}s"
 
 
 def send(pid: int, sig: int) -> None:

@@ -36,15 +36,25 @@ def _broker(home: str | None, port: int | None, brokers: int = 1):
     return LocalKafka(home, port)
 
 
+FreshOpt = typer.Option(
+    False,
+    "--fresh",
+    help="Start from an empty log (every topic and offset gone) when this launches the broker; "
+    "a broker already running is used as it is",
+)
+
+
 @app.command()
-def start(home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = BrokersOpt) -> None:
+def start(
+    home: str | None = HomeOpt, port: int | None = PortOpt, brokers: int = BrokersOpt, fresh: bool = FreshOpt
+) -> None:
     """Start (or find running) and print the bootstrap servers as the last stdout line."""
     from kvwire.kafka.broker.local import BrokerError
 
     t0 = time.monotonic()
     kafka = _broker(home, port, brokers)
     try:
-        bootstrap = kafka.start()
+        bootstrap = kafka.start(fresh=fresh)
     except BrokerError as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None

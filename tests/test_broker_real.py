@@ -11,7 +11,7 @@ import sys
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from ci_env import need_java_and_mvn
-from kafka_admin import free_port_pair
+from kafka_admin import create_topics, free_port_pair
 
 pytestmark = pytest.mark.integration
 
@@ -138,6 +138,47 @@ def test_cli_start_is_idempotent():
         [sys.executable, "-m", "kvwire.cli", "kafka", "status"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+async def test_fresh_start_empties_the_log_only_when_it_launches_the_broker(tmp_path):
+    """CI starts with --fresh: leftover topics from earlier runs are gone, but a broker that
+    already runs (someone's) is used as it is, its topics kept."""
+    _need_toolchain()
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    home, port = str(tmp_path / "kafka"), str(free_port_pair())
+
+    def kvwire_kafka(*args: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-m", "kvwire.cli", "kafka", *args, "--home", home, "--port", port],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+
+    async def topics(bootstrap: str) -> set[str]:
+        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+        await admin.start()
+        try:
+            return {t for t in await admin.list_topics() if not t.startswith("__")}
+        finally:
+            await admin.close()
+
+    try:
+        bootstrap = kvwire_kafka("start")
+        await create_topics(bootstrap, ["left-over"], partitions=1)
+        assert kvwire_kafka("start", "--fresh") == bootstrap
+        assert await topics(bootstrap) == {"left-over"}
+        kvwire_kafka("stop")
+        assert kvwire_kafka("start") == bootstrap  # a plain start keeps the log
+        assert await topics(bootstrap) == {"left-over"}
+        kvwire_kafka("stop")
+        assert kvwire_kafka("start", "--fresh") == bootstrap
+        assert await topics(bootstrap) == set()
+    finally:
+        kvwire_kafka("stop")
 
 
 async def test_killed_broker_restarts_with_its_log(tmp_path):

@@ -103,11 +103,13 @@ class LocalCluster:
     def bootstrap(self) -> str:
         return ",".join(n.bootstrap for n in self.nodes)
 
-    def start(self) -> str:
+    def start(self, *, fresh: bool = False) -> str:
         """Idempotent: launches every node that is not running, then waits until the cluster
-        reports all of them registered."""
+        reports all of them registered. ``fresh`` empties the logs only when no node runs: one
+        voter wiped under live peers would lose the quorum's metadata."""
+        fresh = fresh and all(n.pid() is None for n in self.nodes)
         for n in self.nodes:
-            n.start(wait=False)
+            n.start(wait=False, fresh=fresh)
         self.wait_brokers(self.size, require=range(1, self.size + 1))
         return self.bootstrap
 

@@ -24,6 +24,8 @@ log = logging.getLogger("kvwire.kafka.broker")
 
 POM = Path(__file__).with_name("pom.xml")
 DEFAULT_PORT = 19092
+# However long a recovering broker keeps logging progress, a start gives up after this.
+START_CAP_S = 900.0
 # Sized for 2 cores: default heap and GC thread counts starve the Python side of tests.
 JVM_OPTS = ["-Xms256m", "-Xmx768m", "-XX:+UseG1GC", "-XX:ParallelGCThreads=2", "-XX:ConcGCThreads=1"]
 
@@ -99,10 +101,13 @@ class LocalKafka:
     pid_path = property(lambda self: self.home / "kafka.pid")
 
     # -- public API --------------------------------------------------------------------------
-    def start(self, wait: bool = True) -> str:
+    def start(self, wait: bool = True, *, fresh: bool = False) -> str:
         """Idempotent: returns the bootstrap of the already running broker or of a new one.
         ``wait=False`` returns once the JVM is launched: a cluster member cannot answer until a
-        quorum of its peers is up, so the cluster launches all of them before waiting."""
+        quorum of its peers is up, so the cluster launches all of them before waiting.
+        ``fresh=True`` empties the log first when this call launches the JVM (a running broker
+        is someone's, and is left as it is): a CI run must not inherit every topic an earlier
+        run made, nor wait out their recovery after a crash."""
         self.home.mkdir(parents=True, exist_ok=True)
         with daemon.file_lock(self.home / ".lock"):  # concurrent starters (CLI + pytest): one JVM
             pid = self.pid()
@@ -115,6 +120,8 @@ class LocalKafka:
                     f"port {self.port} or {self.controller_port} is taken by a process that is not "
                     f"the broker of {self.home}; set KVWIRE_KAFKA_PORT or KAFKA_BOOTSTRAP_SERVERS"
                 )
+            if fresh:
+                shutil.rmtree(self.data_dir, ignore_errors=True)
             self.ensure_libs()
             self._write_config()
             self._format()
@@ -282,11 +289,22 @@ class LocalKafka:
         return pid
 
     def _wait_ready(self, pid: int) -> None:
+        # The broker logs a line per partition it recovers: a growing log is a broker at work.
         why = daemon.wait_ready(
-            pid, lambda: probe.answers(self.bootstrap, 5.0, **self.client_config), self.start_timeout_s
+            pid,
+            lambda: probe.answers(self.bootstrap, 5.0, **self.client_config),
+            self.start_timeout_s,
+            progress=self._log_size,
+            cap_s=START_CAP_S,
         )
         if why is not None:
             raise BrokerError(f"Kafka {why}; log tail:\n{self.log_tail()}")
+
+    def _log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return -1
 
     def log_tail(self, n: int = 40) -> str:
         return daemon.log_tail(self.log_path, n)
