@@ -29,6 +29,7 @@ import time
 import uuid
 
 from kvwire import _core
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.producer.config import PublisherConfig
 from kvwire.schemas import codec
 from kvwire.schemas.events import EventBatch
@@ -102,7 +103,7 @@ async def consume(bootstrap: str, topic: str, n: int, applier=None) -> float:
     try:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         c.assign(tps)
-        await c.seek_to_beginning(*tps)
+        await seek_to_beginning(c, *tps)
         got = 0
         t0 = time.perf_counter()
         while got < n:

@@ -40,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.schemas import codec
 from kvwire.schemas.events import BlockStored, EventBatch
 
@@ -69,7 +70,7 @@ async def _read(bootstrap: str, topic: str, n: int, max_records: int, fetch_byte
     try:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         c.assign(tps)
-        await c.seek_to_beginning(*tps)
+        await seek_to_beginning(c, *tps)
         got = nbytes = polls = 0
         t0, c0 = time.perf_counter(), time.process_time()
         while got < n:

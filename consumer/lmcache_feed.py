@@ -25,6 +25,7 @@ import uuid
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
 from kvwire.kafka.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.producer.lmcache_topic import SOURCE, LmcacheTopicConverter, TopicRecordError
 
 from .apply import Applier, DeadLetter, FeedOrigin
@@ -48,7 +49,7 @@ class _FromWhereWeWere(ConsumerRebalanceListener):
         for tp in assigned:
             pos = self.feed.positions.get(tp.partition)
             if pos is None:
-                await c.seek_to_beginning(tp)
+                await seek_to_beginning(c, tp)
             else:
                 c.seek(tp, pos)
 

@@ -62,6 +62,7 @@ import msgspec
 import xxhash
 
 from kvwire.kafka.options import admin_options
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.kafka.topics import Replication, partition_count
 
 from .apply import Applier
@@ -385,7 +386,7 @@ class KafkaStore:
             tp = TopicPartition(self.topic, partition % n)
             c.assign([tp])
             end = (await c.end_offsets([tp]))[tp]
-            await c.seek_to_beginning(tp)
+            await seek_to_beginning(c, tp)
             # Only generations still being assembled and the newest complete one
             # are kept: an uncompacted topic may hold many old snapshots.
             building: dict[bytes, dict[int, bytes]] = {}

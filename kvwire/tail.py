@@ -21,6 +21,7 @@ import typer
 
 from kvwire.cli_failure import BadSetting, kafka_client_options, one_line, reaching_kafka
 from kvwire.cli_options import DEFAULT_TOPIC, Bootstrap, KafkaConfig, Topic
+from kvwire.kafka.positions import seek_to_beginning, seek_to_end
 
 app = typer.Typer(help="Print decoded kvwire batches from a topic (no consumer group).")
 
@@ -237,9 +238,9 @@ def render(rec, opts: TailOptions) -> list[str]:
 
 async def _position(consumer, tps, start: str | int) -> None:
     if start == "earliest":
-        await consumer.seek_to_beginning(*tps)
+        await seek_to_beginning(consumer, *tps)
     elif start == "latest":
-        await consumer.seek_to_end(*tps)
+        await seek_to_end(consumer, *tps)
     else:
         found = await consumer.offsets_for_times({tp: start for tp in tps})
         late = []
@@ -250,7 +251,7 @@ async def _position(consumer, tps, start: str | int) -> None:
             else:
                 consumer.seek(tp, ot.offset)
         if late:
-            await consumer.seek_to_end(*late)
+            await seek_to_end(consumer, *late)
 
 
 # How long records known to exist may fail to arrive before --timeout stops anyway (broker gone).

@@ -33,6 +33,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from oracle import Oracle
 
 from kvwire.consumer.index import PrefixIndex
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.producer.publisher import AckInfo, KafkaPublisher, PublisherConfig
 from kvwire.producer.simulator import SimConfig, Simulator
 from kvwire.schemas import codec
@@ -204,7 +205,7 @@ async def read_log(bootstrap: str, topic: str, client_options: dict | None = Non
         tps = [TopicPartition(topic, p) for p in sorted(parts or ())]
         c.assign(tps)
         ends = await c.end_offsets(tps)
-        await c.seek_to_beginning(*tps)
+        await seek_to_beginning(c, *tps)
         out: list[LogRecord] = []
         todo = {tp for tp in tps if ends[tp] > 0}
         while todo:

@@ -10,7 +10,8 @@ acknowledged record is on at least two replicas, so losing any one broker loses 
 - the broker leading the dead-letter and snapshot topics is lost: both still hold everything.
 
 Each compares the member's index with the oracle fed every acknowledged record, and records its
-measurements (oracle_feed.record_result)."""
+measurements (oracle_feed.record_result). One more checks that a seek to the log start, right
+after leadership moved back, reads the log (kvwire.kafka.positions)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import time
 import uuid
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from kafka_admin import create_topics
 from oracle_feed import (
     Fleet,
     applier_scores,
@@ -38,6 +40,7 @@ from oracle_feed import (
 from kvwire.consumer.ingest import IndexMember, IngestConfig
 from kvwire.consumer.snapshot import snapshot_store
 from kvwire.kafka.broker import probe
+from kvwire.kafka.positions import seek_to_beginning
 
 pytestmark = pytest.mark.integration
 
@@ -219,6 +222,54 @@ async def test_partition_leader_killed_mid_stream(kafka_cluster):
             await member.stop()
         if killed is not None:
             await asyncio.to_thread(kafka_cluster.start_node, killed)
+
+
+async def test_a_seek_after_leadership_moved_back_reads_the_log(kafka_cluster):
+    """A client learns a partition's leader while its preferred leader is down; the leader then
+    moves back. aiokafka's own seek_to_beginning asked the stale leader, got "not leader" and
+    asked it again until its next metadata refresh, 5 min away by default (the rolling restart
+    test's log reader timed out so). kvwire's seek (kafka/positions.py) reads the log at once."""
+    bootstrap = kafka_cluster.bootstrap
+    topic = f"faults-seek-{uuid.uuid4().hex[:8]}"
+    await create_topics(bootstrap, [topic], partitions=1)
+    await assert_replicated(bootstrap, topic)
+    prod = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
+    await prod.start()
+    try:
+        for i in range(20):
+            await prod.send_and_wait(topic, b"%d" % i, partition=0)
+    finally:
+        await prod.stop()
+    preferred = (await partitions(bootstrap, topic))[0]["leader"]
+    down: int | None = kafka_cluster.node_of(preferred)
+    tp = TopicPartition(topic, 0)
+    c = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)  # metadata refresh: 5 min
+    try:
+        await asyncio.to_thread(kafka_cluster.stop_node, down)  # controlled shutdown: leadership moves
+        await c.start()
+        c.assign([tp])
+        await c.end_offsets([tp])  # the client learns the leader of the moment
+        interim = c._client.cluster.leader_for_partition(tp)
+        assert interim not in (None, -1, preferred)
+        await asyncio.to_thread(kafka_cluster.start_node, down)
+        down = None
+
+        async def moved_back() -> bool:
+            return (await partitions(bootstrap, topic))[0]["leader"] == preferred
+
+        await wait_until(moved_back, 120, "leadership back on the preferred replica", every=0.5)
+        assert c._client.cluster.leader_for_partition(tp) == interim  # the client's view is stale
+        got: list[bytes] = []
+        async with asyncio.timeout(60):
+            await seek_to_beginning(c, tp)
+            while len(got) < 20:
+                for recs in (await c.getmany(tp, timeout_ms=500)).values():
+                    got.extend(r.value for r in recs)
+        assert got == [b"%d" % i for i in range(20)]
+    finally:
+        await c.stop()
+        if down is not None:
+            await asyncio.to_thread(kafka_cluster.start_node, down)
 
 
 async def test_rolling_restart_under_load(kafka_cluster):

@@ -27,6 +27,7 @@ from aiokafka.errors import KafkaConnectionError, SaslAuthenticationFailed
 from oracle_feed import free_port
 
 from kvwire.kafka.options import client_options_from_env, redact
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 from kvwire.schemas.codec import decode
 from kvwire.schemas.events import WorkerId, stored
@@ -68,7 +69,7 @@ async def read_batches(bootstrap: str, topic: str, opts: dict, until, limit_s: f
     try:
         tp = TopicPartition(topic, 0)
         c.assign([tp])
-        await c.seek_to_beginning(tp)
+        await seek_to_beginning(c, tp)
         deadline = time.monotonic() + limit_s
         while not until(out):
             if time.monotonic() > deadline:

@@ -22,6 +22,7 @@ import pytest
 from ci_env import unavailable
 from schema_registry import schema_registry  # noqa: F401  (the session fixture, by name)
 
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.schemas.codec import CONTENT_TYPE, VERSIONS, encode
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
 
@@ -370,7 +371,7 @@ async def _read_all(bootstrap: str, topic: str) -> dict[tuple[int, int], tuple[b
         cluster = await consumer._client.fetch_all_metadata()
         tps = [TopicPartition(topic, p) for p in cluster.partitions_for_topic(topic)]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        await seek_to_beginning(consumer, *tps)
         end = await consumer.end_offsets(tps)
         out = {}
         while any([await consumer.position(tp) < end[tp] for tp in tps]):

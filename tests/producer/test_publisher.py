@@ -11,6 +11,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.producer.partitioner import default_partition
 from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 from kvwire.schemas.codec import CONTENT_TYPE, CURRENT, decode
@@ -35,7 +36,7 @@ async def read_all(bootstrap: str, topic: str, partitions: int) -> list:
     try:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         c.assign(tps)
-        await c.seek_to_beginning(*tps)
+        await seek_to_beginning(c, *tps)
         end = await c.end_offsets(tps)
         out = []
         async with asyncio.timeout(60):

@@ -10,6 +10,7 @@ import time
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from kvwire.consumer.apply import Applier
+from kvwire.kafka.positions import seek_to_beginning
 from kvwire.schemas.events import AllBlocksCleared, BlockRemoved, EventBatch, WorkerId, stored
 
 BLOCK = 4
@@ -95,7 +96,7 @@ async def read_all(bootstrap: str, topic: str) -> list:
         cluster = await c._client.fetch_all_metadata()
         tps = [TopicPartition(topic, p) for p in sorted(cluster.partitions_for_topic(topic) or ())]
         c.assign(tps)
-        await c.seek_to_beginning(*tps)
+        await seek_to_beginning(c, *tps)
         end = await c.end_offsets(tps)
         out: list = []
         while any([await c.position(tp) < end[tp] for tp in tps]):
