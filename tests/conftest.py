@@ -43,7 +43,8 @@ def kafka_bootstrap() -> Iterator[str]:
 @pytest.fixture
 def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest) -> Callable[..., str]:
     """Factory: `new_topic(partitions=4, config={...})` -> name of a fresh, empty topic.
-    Sync so it works in sync and async tests alike; topics are deleted after the test."""
+    Sync so it works in sync and async tests alike; topics are deleted after the test, with the
+    `.dlq` and `.snapshots` topics kvwire made beside them."""
     created: list[str] = []
     stem = "".join(c if c.isalnum() else "-" for c in request.node.name)[:60]
 
@@ -56,7 +57,7 @@ def new_topic(kafka_bootstrap: str, request: pytest.FixtureRequest) -> Callable[
     yield make
     if created:
         try:
-            run_sync(lambda: delete_topics(kafka_bootstrap, created))
+            run_sync(lambda: delete_topics(kafka_bootstrap, created, derived=True))
         except Exception:
             pass  # cleanup only: a leftover topic on a dev broker harms nothing
 

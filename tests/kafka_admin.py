@@ -27,12 +27,17 @@ async def create_topics(
     )
 
 
-async def delete_topics(bootstrap: str, names: list[str]) -> None:
+async def delete_topics(bootstrap: str, names: list[str], *, derived: bool = False) -> None:
+    """``derived``: also the topics kvwire made beside them (``<name>.dlq``, ``<name>.snapshots``),
+    which otherwise pile up on a developer's broker, hundreds per test run."""
     from aiokafka.admin import AIOKafkaAdminClient
 
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
+        if derived:
+            prefixes = tuple(f"{n}." for n in names)
+            names = [*names, *(t for t in await admin.list_topics() if t.startswith(prefixes))]
         await admin.delete_topics(names, timeout_ms=30000)
     finally:
         await admin.close()
