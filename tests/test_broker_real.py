@@ -148,6 +148,8 @@ async def test_fresh_start_empties_the_log_only_when_it_launches_the_broker(tmp_
 
     home, port = str(tmp_path / "kafka"), str(free_port_pair())
 
+    said: list[str] = []
+
     def kvwire_kafka(*args: str) -> str:
         r = subprocess.run(
             [sys.executable, "-m", "kvwire.cli", "kafka", *args, "--home", home, "--port", port],
@@ -156,6 +158,7 @@ async def test_fresh_start_empties_the_log_only_when_it_launches_the_broker(tmp_
             timeout=180,
         )
         assert r.returncode == 0, r.stderr
+        said.append(r.stderr)
         return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
 
     async def topics(bootstrap: str) -> set[str]:
@@ -170,6 +173,7 @@ async def test_fresh_start_empties_the_log_only_when_it_launches_the_broker(tmp_
         bootstrap = kvwire_kafka("start")
         await create_topics(bootstrap, ["left-over"], partitions=1)
         assert kvwire_kafka("start", "--fresh") == bootstrap
+        assert "already runs" in said[-1] and "its log kept" in said[-1]
         assert await topics(bootstrap) == {"left-over"}
         kvwire_kafka("stop")
         assert kvwire_kafka("start") == bootstrap  # a plain start keeps the log

@@ -112,6 +112,8 @@ class LocalKafka:
         with daemon.file_lock(self.home / ".lock"):  # concurrent starters (CLI + pytest): one JVM
             pid = self.pid()
             if pid is not None:
+                if fresh:
+                    log.info("the broker of %s already runs (pid %s): used as it is, its log kept", self.home, pid)
                 if wait:
                     self._wait_ready(pid)
                 return self.bootstrap
