@@ -24,7 +24,7 @@ import uuid
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener
 
-from kvwire.kafka.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+from kvwire.kafka.options import consumer_options
 from kvwire.kafka.positions import seek_to_beginning
 from kvwire.producer.lmcache_topic import SOURCE, LmcacheTopicConverter, TopicRecordError
 
@@ -115,15 +115,13 @@ class LmcacheTopicFeed:
     async def start(self) -> None:
         # A group of its own, never committing: it only makes Kafka hand this feed every
         # partition, including a topic created after the index started and partitions added later.
-        opts = dict(self.client_options)
         c = AIOKafkaConsumer(
             bootstrap_servers=self.bootstrap_servers,
             group_id=f"kvwire-lmcache-feed-{uuid.uuid4().hex[:12]}",
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             # A topic LMCache creates later is only seen at a metadata refresh.
-            metadata_max_age_ms=opts.pop("metadata_max_age_ms", SUBSCRIBER_METADATA_MAX_AGE_MS),
-            **opts,
+            **consumer_options(self.client_options),
         )
         await c.start()
         self._consumer = c

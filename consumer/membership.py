@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from kvwire.kafka.options import SUBSCRIBER_METADATA_MAX_AGE_MS
+from kvwire.kafka.options import consumer_options
 
 from .apply import Applier
 from .dead_letters import DeadLetterWriter
@@ -70,7 +70,7 @@ class Membership:
             max_partition_fetch_bytes=4 * 1024 * 1024,
             fetch_max_wait_ms=self.config.fetch_max_wait_ms,
             # A member may start before any producer created its topic.
-            **{"metadata_max_age_ms": SUBSCRIBER_METADATA_MAX_AGE_MS, **self.config.client_options},
+            **consumer_options(self.config.client_options),
         )
         return self.consumer
 

@@ -18,6 +18,7 @@ from datetime import datetime
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from kvwire.kafka.options import consumer_options
 from kvwire.kafka.registry.resolver import IdResolver
 
 from .apply import Applier
@@ -75,7 +76,7 @@ async def replay(
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         max_partition_fetch_bytes=4 * 1024 * 1024,
-        **(client_options or {}),
+        **consumer_options(client_options),
     )
     t0 = time.perf_counter()
     try:

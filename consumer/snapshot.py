@@ -61,7 +61,7 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
-from kvwire.kafka.options import admin_options
+from kvwire.kafka.options import admin_options, consumer_options
 from kvwire.kafka.positions import seek_to_beginning
 from kvwire.kafka.topics import Replication, partition_count
 
@@ -379,7 +379,7 @@ class KafkaStore:
             auto_offset_reset="earliest",
             fetch_max_bytes=32 * 1024 * 1024,
             max_partition_fetch_bytes=8 * 1024 * 1024,
-            **self.opts,
+            **consumer_options(self.opts),
         )
         try:
             await c.start()  # in the try: a client whose start failed must still be stopped

@@ -33,10 +33,17 @@ CONFIG_ENV = "KVWIRE_KAFKA_CONFIG"
 # Substrings of option names whose values are secrets, in aiokafka's, Kafka's and our own naming.
 _SECRET_PARTS = ("password", "secret", "token", "jaas")
 
-# A consumer subscribed to a topic that does not exist yet finds it at its next metadata refresh,
-# by default 5 minutes away: kvwire's subscribers (index members, the LMCache feed) refresh every
-# 5 s unless metadata.max.age.ms says otherwise. One small request each time.
-SUBSCRIBER_METADATA_MAX_AGE_MS = 5000
+# kvwire's consumers refresh metadata every 5 s unless metadata.max.age.ms says otherwise;
+# aiokafka's default is 5 minutes. A subscriber finds a topic created after it started at its next
+# refresh, and aiokafka's reset of a position that fell off the log start retries a stale leader
+# until then (kafka/positions.py). One small request each time.
+CONSUMER_METADATA_MAX_AGE_MS = 5000
+
+
+def consumer_options(client_options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The caller's client options over kvwire's consumer defaults."""
+    return {"metadata_max_age_ms": CONSUMER_METADATA_MAX_AGE_MS, **(client_options or {})}
+
 
 # Properties with a direct aiokafka keyword that every client (producer, consumer, admin) takes.
 _PASSTHROUGH = {

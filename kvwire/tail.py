@@ -21,6 +21,7 @@ import typer
 
 from kvwire.cli_failure import BadSetting, kafka_client_options, one_line, reaching_kafka
 from kvwire.cli_options import DEFAULT_TOPIC, Bootstrap, KafkaConfig, Topic
+from kvwire.kafka.options import consumer_options
 from kvwire.kafka.positions import seek_to_beginning, seek_to_end
 
 app = typer.Typer(help="Print decoded kvwire batches from a topic (no consumer group).")
@@ -268,7 +269,7 @@ async def run_tail(opts: TailOptions, out: IO[str]) -> int:
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest" if start == "earliest" else "latest",
-        **{"client_id": "kvwire-tail", **opts.client_options},
+        **consumer_options({"client_id": "kvwire-tail", **opts.client_options}),
     )
     try:
         await consumer.start()  # in the try: a client whose start failed must still be stopped
