@@ -22,10 +22,9 @@ def test_a_start_that_keeps_progressing_is_waited_out_past_the_timeout():
 
 
 def test_a_stalled_start_gives_up_after_the_timeout_and_says_so():
-    t0 = time.monotonic()
+    # The stall's own message, not the cap's ("not ready after 30s"): it gave up at the stall.
     why = daemon.wait_ready(os.getpid(), lambda: False, 1.0, progress=lambda: 42, cap_s=30)
-    took = time.monotonic() - t0
-    assert why == "not ready, and no progress for 1s" and took < 5
+    assert why == "not ready, and no progress for 1s"
 
 
 def test_progress_never_waits_past_the_cap():
