@@ -232,6 +232,11 @@ async def test_a_seek_after_leadership_moved_back_reads_the_log(kafka_cluster):
     bootstrap = kafka_cluster.bootstrap
     topic = f"faults-seek-{uuid.uuid4().hex[:8]}"
     await create_topics(bootstrap, [topic], partitions=1)
+
+    async def led() -> bool:  # the broker the admin asks may not know a new topic yet
+        return any(p["leader"] > 0 for p in await partitions(bootstrap, topic))
+
+    await wait_until(led, 60, "the new topic has a leader", every=0.2)
     await assert_replicated(bootstrap, topic)
     prod = AIOKafkaProducer(bootstrap_servers=bootstrap, enable_idempotence=True)
     await prod.start()
