@@ -7,7 +7,8 @@ Each side runs in its own process with ``kvwire._core`` loaded from the given fi
 alternate A, B, A, B...: on a shared, noisy machine the ratio within a pair is what to quote.
 Prints per pair the on-CPU score latency (8k-token prompts, ``bench.score_latency``'s query mix
 and index: top 16, every matched worker as the peers run asks, and top 16 of keys given) and
-the apply rate of pre-fetched records (``bench.apply_rate``'s core pipeline).
+the apply rate of pre-fetched records (``bench.apply_rate``'s core pipeline) and the on-CPU
+cost of applying ``bench.lag``'s records (a cache turning over: stores and removes).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _side(core_path: str, size: int, n: int, apply_blocks: int) -> dict:
     from .apply_rate import _timed, make_records
     from .common import percentiles
     from .index_memory import BS, Workload, build
+    from .lag import churn_records
     from .score_latency import _time, queries
 
     def score(ix, wl) -> dict:
@@ -81,6 +83,26 @@ def _side(core_path: str, size: int, n: int, apply_blocks: int) -> dict:
             i = core.apply_poll(ap.index.core, ap.ranks.core, values, i, 10**12, now).next
 
     out["apply_blocks_per_s"] = round(nblocks / _timed(pipeline, 3))
+
+    # The member's work in bench.lag: a cache turning over (stores and removes), small index.
+    head, body = churn_records(4)
+
+    def churn() -> float:
+        """On-CPU seconds of the body, applied after the head."""
+        ap = Applier()
+        now = time.time_ns() // 1000
+
+        def apply(vals: list[bytes]) -> None:
+            i = 0
+            while i < len(vals):
+                i = core.apply_poll(ap.index.core, ap.ranks.core, vals, i, 10**12, now).next
+
+        apply(head)
+        t0 = time.thread_time()
+        apply(body)
+        return time.thread_time() - t0
+
+    out["churn_apply_us_per_record"] = round(min(churn() for _ in range(3)) / len(body) * 1e6, 3)
     return out
 
 
@@ -108,12 +130,13 @@ def main(argv=None) -> None:
         ra, rb = run(a.a), run(a.b)
         flat = {
             "apply_blocks_per_s": (ra["apply_blocks_per_s"], rb["apply_blocks_per_s"]),
+            "churn_apply_us_per_record": (ra["churn_apply_us_per_record"], rb["churn_apply_us_per_record"]),
             **{f"{m}.{k}": (ra[m][k], rb[m][k]) for m in ("top16", "all", "keys_top16") for k in ra[m]},
         }
         print(f"pair {p + 1}: " + ", ".join(f"{k} {x:g} vs {y:g}" for k, (x, y) in flat.items()), flush=True)
         for k, (x, y) in flat.items():
             ratios.setdefault(k, []).append(x / y if y else float("nan"))
-    print("A/B, median over pairs (for latencies lower is better, for apply higher):")
+    print("A/B, median over pairs (for latencies and churn lower is better, for apply higher):")
     for k, rs in ratios.items():
         print(f"  {k:<40} x{statistics.median(rs):.2f}  ({', '.join(f'{r:.2f}' for r in rs)})")
 

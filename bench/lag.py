@@ -71,6 +71,31 @@ def _worker_events(wl, w: int):
     return a, b + rm(a) + a + rm(b)
 
 
+def churn_records(cycles: int, seed: int = 7) -> tuple[list[bytes], list[bytes]]:
+    """This bench's records as Kafka would hand them to the member, encoded up front: each
+    worker's first conversation, then ``cycles`` turns of every worker's cycle, interleaved
+    worker by worker as the publisher paces them. ``bench.ab_core`` applies them to compare
+    builds of the core on the member's own work (stores and removes, the memo included)."""
+    from kvwire.schemas import codec
+    from kvwire.schemas.events import EventBatch
+
+    from .index_memory import Workload
+
+    wl = Workload(seed=seed)
+    seqs = [0] * WORKERS
+
+    def record(w: int, ev) -> bytes:
+        b = EventBatch(wl.workers[w], 0x5EED, seqs[w], 1_700_000_000_000_000 + seqs[w], (ev,), reset=seqs[w] == 0)
+        seqs[w] += 1
+        return codec.encode(b)
+
+    evs = [_worker_events(wl, w) for w in range(WORKERS)]
+    head = [record(w, e) for w in range(WORKERS) for e in evs[w][0]]
+    n = len(evs[0][1])
+    body = [record(w, evs[w][1][i % n]) for i in range(n * cycles) for w in range(WORKERS)]
+    return head, body
+
+
 def _sender_cpu_s() -> float:
     """CPU seconds of this process's kvwire-publisher thread (the sender: numbering, encode,
     aiokafka), apart from the bench's pacing loop that stands in for the engine."""

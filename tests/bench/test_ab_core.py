@@ -25,7 +25,7 @@ def test_ab_core_prints_every_row_with_a_ratio_per_pair():
     assert len(re.findall(r"^pair \d+: ", p.stdout, re.M)) == 2
     rows = {name: ratios for name, ratios in re.findall(r"^  (\S+)\s+x\d+\.\d+  \(([^)]*)\)$", p.stdout, re.M)}
     kinds = ("stored_conversation", "system_prompt_then_new", "miss")
-    want = {"apply_blocks_per_s"} | {
+    want = {"apply_blocks_per_s", "churn_apply_us_per_record"} | {
         f"{m}.{k}" for m in ("top16", "all", "keys_top16") for k in ("p50", "p99", *(f"p50_{x}" for x in kinds))
     }
     assert set(rows) == want
