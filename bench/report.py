@@ -255,6 +255,7 @@ def results_table(res: Results) -> str:
             f"{fmt(_get(lg, 'max_unsaturated', 'offered_blocks_per_s'))}; "
             + (
                 f"saturates at {fmt(lg['saturated_at_offered_blocks_per_s'])}"
+                + (f" ({lg['saturated_by']})" if lg.get("saturated_by") else "")
                 if lg.get("saturated_at_offered_blocks_per_s")
                 else f"no saturation up to {fmt(lg.get('top_offered_blocks_per_s'))}"
             )
@@ -268,6 +269,7 @@ def results_table(res: Results) -> str:
                 f"{fmt(f.get('lag_reported_at_offered_blocks_per_s'))}"
                 + (
                     f", saturates at {fmt(f['saturated_at_offered_blocks_per_s'])}"
+                    + (f" ({f['saturated_by']})" if f.get("saturated_by") else "")
                     if f.get("saturated_at_offered_blocks_per_s")
                     else ""
                 )

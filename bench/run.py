@@ -299,7 +299,12 @@ def summarize(res: dict, errors: dict) -> dict:
             )
             + f"; p99 {mu['lag_ms']['p99']} ms at the highest unsaturated level "
             f"({mu['offered_blocks_per_s']:,} blocks/s); "
-            + (f"saturated at {sat:,} blocks/s offered" if sat else "no level saturated")
+            + (
+                f"saturated at {sat:,} blocks/s offered ({lg.get('saturated_at_target_blocks_per_s') or sat:,} asked), "
+                f"by the {lg.get('saturated_by') or 'member'}"
+                if sat
+                else "no level saturated"
+            )
             + "".join(
                 f"; {d['dropped']:,} records dropped (a publisher's hand-off full, each reported as a gap) "
                 f"at {d['offered_blocks_per_s']:,} blocks/s" + (f", round {d['round']}" if d["round"] else "")

@@ -27,3 +27,28 @@ def test_dropped_records_are_named_in_the_note():
     note = run.summarize({"lag": lossy}, {})["notes"]["lag_p99_ms"]
     assert "14,522 records dropped" in note and "537,138 blocks/s" in note
     assert "dropped" not in run.summarize({"lag": {**LAG, "dropped_at": []}}, {})["notes"]["lag_p99_ms"]
+
+
+def test_a_level_is_saturated_by_the_part_that_could_not_keep_up():
+    from bench.lag import _saturated_by
+
+    # 1,000 publish() calls asked for; the member's share of what was published is `applied`.
+    assert _saturated_by(1_000, 0, 1.0, 0.99) is None
+    assert _saturated_by(1_000, 0, 1.0, 0.90) == "member"
+    # A hand-off full for more than 5% of the calls: the sender thread fell behind.
+    assert _saturated_by(900, 100, 1.0, 1.0) == "publisher sender (hand-off full)"
+    assert _saturated_by(960, 40, 1.0, 1.0) is None  # a stall's drops, not a sustained loss
+    # The publisher process could not even make the calls at the level's pace.
+    assert _saturated_by(1_000, 0, 0.87, 1.0) == "publisher process (publish() calls behind their pace)"
+    # The member is named first: a backlog there is what the lag measures.
+    assert _saturated_by(900, 100, 0.5, 0.5) == "member"
+    assert _saturated_by(0, 0, 1.0, None) is None
+
+
+def test_the_note_names_where_the_pipeline_saturated():
+    sat = {**LAG, "saturated_at_offered_blocks_per_s": 555_183, "saturated_at_target_blocks_per_s": 640_000}
+    sat["saturated_by"] = "publisher process (publish() calls behind their pace)"
+    note = run.summarize({"lag": sat}, {})["notes"]["lag_p99_ms"]
+    assert "saturated at 555,183 blocks/s offered (640,000 asked), by the publisher process" in note
+    unsat = {**LAG, "saturated_at_offered_blocks_per_s": None, "saturated_by": None}
+    assert "no level saturated" in run.summarize({"lag": unsat}, {})["notes"]["lag_p99_ms"]
