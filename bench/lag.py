@@ -122,6 +122,7 @@ def _publisher_main(
     import logging
 
     logging.basicConfig(level=logging.ERROR)
+    from kvwire.consumer.heap import freeze_startup_heap
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 
     from .index_memory import Workload
@@ -154,6 +155,10 @@ def _publisher_main(
     deadline = time.monotonic() + 60
     while acked() < published() + n_streams and time.monotonic() < deadline:
         time.sleep(0.05)
+    # An engine host's process is one whose heap was frozen after its start-up: vLLM's engine
+    # core does it (freeze_gc_heap), and a full pass over this process's ~60k objects would hold
+    # the sender's GIL for tens of milliseconds.
+    freeze_startup_heap()
     results.put({"shard": shard, "ready": True, "acked": acked()})
     while True:
         cmd = cmds.get()
@@ -223,7 +228,10 @@ def _member_main(bootstrap: str, topic: str, applied, cpu, ready, stop, out_path
     import logging
 
     logging.basicConfig(level=logging.ERROR)
+    from array import array
+
     from kvwire.consumer.apply import Applier
+    from kvwire.consumer.heap import freeze_startup_heap
     from kvwire.consumer.ingest import IndexMember, IngestConfig
     from kvwire.consumer.metrics import IngestMetrics
 
@@ -233,11 +241,13 @@ def _member_main(bootstrap: str, topic: str, applied, cpu, ready, stop, out_path
 
         def __init__(self):
             super().__init__()
-            self.at: list[int] = []
-            self.lag: list[int] = []
-            self.append_ms: list[int] = []
+            # Arrays, not lists: the collector reads a list's every item on each full pass, which
+            # a member never pays (its window keeps 4096).
+            self.at = array("q")
+            self.lag = array("q")
+            self.append_ms = array("q")
             # The core reports one lag per slice (its oldest record's): the records it stands for.
-            self.weight: list[int] = []
+            self.weight = array("q")
             self.pending_weight = 1
             self.record_ts_ms = 0
 
@@ -272,6 +282,7 @@ def _member_main(bootstrap: str, topic: str, applied, cpu, ready, stop, out_path
         await member.start()
         while not member.ready:
             await asyncio.sleep(0.05)
+        freeze_startup_heap()  # as `kvwire index` does once it serves
         ready.set()
         while not stop.is_set():
             applied.value = member.applier.records

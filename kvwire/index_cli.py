@@ -188,6 +188,7 @@ def index(
 
 async def _run(o: IndexOptions) -> int:
     from kvwire.consumer.cpus import CpuSplit
+    from kvwire.consumer.heap import freeze_startup_heap
     from kvwire.consumer.holds import Holds
     from kvwire.consumer.http import HttpWorkers, make_app
     from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
@@ -285,6 +286,7 @@ async def _run(o: IndexOptions) -> int:
 
             with reaching_kafka(o.bootstrap_servers):
                 feed = await feed_member(member, o.lmcache_topic, o.lmcache_model)
+        freeze_startup_heap()
         typer.echo(
             f"kvwire index: group {member.group_id}, {o.security.scheme if o.security else 'http'}://{o.host}:{port}"
             + (f" ({o.http_workers} HTTP workers)" if o.http_workers > 1 else "")
