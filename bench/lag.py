@@ -122,7 +122,7 @@ def _publisher_main(
     import logging
 
     logging.basicConfig(level=logging.ERROR)
-    from kvwire.consumer.heap import freeze_startup_heap
+    from kvwire.heap import freeze_startup_heap
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
 
     from .index_memory import Workload
@@ -231,9 +231,9 @@ def _member_main(bootstrap: str, topic: str, applied, cpu, ready, stop, out_path
     from array import array
 
     from kvwire.consumer.apply import Applier
-    from kvwire.consumer.heap import freeze_startup_heap
     from kvwire.consumer.ingest import IndexMember, IngestConfig
     from kvwire.consumer.metrics import IngestMetrics
+    from kvwire.heap import freeze_startup_heap
 
     class Recording(IngestMetrics):
         """Keeps every lag sample with its applied time (the stock window keeps 4096) and the

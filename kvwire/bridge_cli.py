@@ -130,6 +130,7 @@ def _bridge(bridge_cls: Any, source: str, engine: str, o: BridgeOptions, copts: 
     import logging
     import signal
 
+    from kvwire.heap import freeze_startup_heap
     from kvwire.producer.publisher import KafkaPublisher, PublisherConfig
     from kvwire.producer.zmq_bridge import BridgeConfig
     from kvwire.schemas.events import WorkerId
@@ -174,6 +175,7 @@ def _bridge(bridge_cls: Any, source: str, engine: str, o: BridgeOptions, copts: 
             o.instance_id,
             o.dp_rank,
         )
+        freeze_startup_heap()
         await br.run(stop)
 
     import zmq

@@ -188,10 +188,10 @@ def index(
 
 async def _run(o: IndexOptions) -> int:
     from kvwire.consumer.cpus import CpuSplit
-    from kvwire.consumer.heap import freeze_startup_heap
     from kvwire.consumer.holds import Holds
     from kvwire.consumer.http import HttpWorkers, make_app
     from kvwire.consumer.ingest import IndexMember, IngestConfig, default_group_id
+    from kvwire.heap import freeze_startup_heap
 
     cpus = CpuSplit.here() if o.cpu_split else None
     if cpus is not None:

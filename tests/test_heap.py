@@ -11,7 +11,7 @@ import textwrap
 CHILD = textwrap.dedent(
     """
     import gc, weakref
-    from kvwire.consumer.heap import freeze_startup_heap
+    from kvwire.heap import freeze_startup_heap
 
     class Node:
         pass
