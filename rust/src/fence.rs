@@ -474,13 +474,8 @@ mod tests {
     fn trust_view_follows_every_change() {
         let insts = ["a", "b", "c"];
         let mut f = Fence::new();
-        let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-        let mut rnd = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = crate::test_rng::xorshift(0x9E37_79B9_7F4A_7C15);
+        let mut rnd = |n: u64| next() % n;
         let mut seqs: HashMap<(usize, i64, i64), i64> = HashMap::new();
         for step in 0..4000 {
             let (i, dp, tp_rank) = (rnd(3) as usize, rnd(2) as i64, rnd(2) as i64);

@@ -40,6 +40,8 @@ pub mod score_head;
 // The lane's plain request answered whole, and the binary body's rule.
 pub mod score_lane;
 pub mod table;
+#[cfg(test)]
+mod test_rng;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {

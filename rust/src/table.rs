@@ -1463,15 +1463,7 @@ mod tests {
     use super::*;
     use std::collections::HashMap as Map;
 
-    fn rng(seed: u64) -> impl FnMut() -> u64 {
-        let mut x = seed | 1;
-        move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        }
-    }
+    use crate::test_rng::xorshift as rng;
 
     /// Robin Hood order: along every cluster, an entry is homed no later than the next one.
     fn check_order(t: &STable) {
@@ -1703,13 +1695,7 @@ mod scan_lengths {
     fn scan_lengths() {
         let mut t = STable::new();
         let mut hd = Holders { rm_wm: (0..256).collect(), wm_tp: vec![0; 256], wm_blocks: vec![0; 256] };
-        let mut x = 0x12345u64;
-        let mut rnd = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rnd = crate::test_rng::xorshift(0x12345);
         let hot: Vec<u64> = (0..1024).map(|_| rnd()).collect();
         for &k in &hot {
             for rm in 0..170 {

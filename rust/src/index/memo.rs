@@ -113,10 +113,6 @@ impl Memo {
         })
     }
 
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -267,9 +263,9 @@ mod tests {
         assert!(matches!(m.remember(0, 7, true), MemoUndo::Updated(0, (1, false))));
         let u = m.remember(1 << 40, 5, false);
         assert!(matches!(u, MemoUndo::Added(_, Some((0, (7, true))))));
-        assert_eq!((m.get(0), m.get(1 << 40), m.len()), (None, Some((5, false)), PARENT_MEMO));
+        assert_eq!((m.get(0), m.get(1 << 40), m.entries().count()), (None, Some((5, false)), PARENT_MEMO));
         m.undo(u);
-        assert_eq!((m.get(0), m.get(1 << 40), m.len()), (Some((7, true)), None, PARENT_MEMO));
+        assert_eq!((m.get(0), m.get(1 << 40), m.entries().count()), (Some((7, true)), None, PARENT_MEMO));
         // Undone, the line is as it was: the next hash pushes out 0 again.
         m.remember(1 << 41, 5, false);
         assert_eq!(m.get(0), None);
@@ -306,13 +302,7 @@ mod tests {
     /// whole line agree with the model, and an undone batch leaves the memo as it was.
     #[test]
     fn the_ring_keeps_the_rule_of_a_map_beside_a_queue() {
-        let mut x = 0x9E3779B97F4A7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::test_rng::xorshift(0x9E37_79B9_7F4A_7C15);
         let (mut m, mut model) = (Memo::default(), Model::default());
         for round in 0..400 {
             let before = m.entries().collect::<Vec<_>>();
@@ -337,13 +327,12 @@ mod tests {
                 }
                 assert_eq!(m.entries().collect::<Vec<_>>(), model.entries(), "round {round}");
             }
-            assert_eq!(m.len(), m.entries().count());
             for _ in 0..64 {
                 let eh = next() % span;
                 assert_eq!(m.get(eh), model.map.get(&eh).copied(), "round {round}, hash {eh}");
             }
         }
-        assert_eq!(m.len(), PARENT_MEMO, "the line filled and wrapped");
+        assert_eq!(m.entries().count(), PARENT_MEMO, "the line filled and wrapped");
     }
 
     #[test]

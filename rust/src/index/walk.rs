@@ -862,13 +862,10 @@ mod tests {
         let n = 40usize;
         let t = toks(n as u32 * 16);
         let ehs: Vec<u64> = (1..=n as u64).collect();
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = crate::test_rng::xorshift(0x9E37_79B9_7F4A_7C15);
         for i in 0..100 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
             // Every worker holds block 1 (a hot key); then a prefix of its own length.
-            let len = 1 + (x % n as u64) as usize;
+            let len = 1 + (next() % n as u64) as usize;
             let inst = format!("w{i:03}");
             ix.apply(&rank(&inst, 0, 1), &[stored(None, &ehs[..len], &t[..len * 64], None)], true).unwrap();
         }
@@ -893,13 +890,7 @@ mod tests {
     /// Grouping by value gives exactly the stable sort's order, with few values or many.
     #[test]
     fn by_score_stably_is_the_stable_sort() {
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut next = crate::test_rng::xorshift(0x9E37_79B9_7F4A_7C15);
         for distinct in [1u64, 2, 3, 8, 9, 40] {
             for n in [0usize, 1, 5, 170, 600] {
                 let hits: Vec<(u64, u64, u32, u32)> = (0..n as u32)
