@@ -15,9 +15,9 @@ A level is saturated when a part of the pipeline could not keep up with it: the 
 applied < 95% of what was offered during it, or the publishers dropped more than 5% of the
 batches handed to them (a hand-off full: the sender thread behind), or they could not even
 make 95% of the level's publish() calls (the process's CPU). The run stops at the first
-saturated level and the result names the part (``saturated_by``). The first level at >= 500k blocks/s offered (the issue's
-target load) runs ``TARGET_ROUNDS`` times in a row, and ``lag_p99_ms`` is the median of those
-rounds' p99.
+saturated level and the result names the part (``saturated_by``). The first level at >= 500k
+blocks/s offered (the issue's target load) runs ``TARGET_ROUNDS`` times in a row, and
+``lag_p99_ms`` is the median of those rounds' p99.
 
     python -m bench.lag [--quick] [--rates R ...] [--seconds S] [--hosts N ...] [--compression C]
 
